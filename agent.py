@@ -1,0 +1,324 @@
+"""agent.py: agents are ordinary async Python programs; tasks, tools, rewards."""
+
+import asyncio
+import contextlib
+import importlib.util
+import inspect
+import itertools
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# ---- tokenizer: a tiny byte-level BPE for models trained from scratch ----
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"]
+# ChatML as in Qwen's template, minus tools and thinking: the conversations here are plain turns.
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GUESS_PROMPT, GUESS_FEEDBACK = "Guess my number from 1 to {}.", ["higher", "lower", "correct", "say a number"]
+CALC_PROMPT = "What is {}*{}+{}? You may write `calc: <python expression>`."
+
+
+def _corpus(rng: random.Random):
+    """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else."""
+    for _ in range(2000):
+        a, b, c, n = (rng.randint(1, 9) for _ in range(4))
+        yield from ["user\nassistant\ntool\nsystem\n", GUESS_PROMPT.format(n), *GUESS_FEEDBACK, f"I guess {a}.",
+                    CALC_PROMPT.format(a, b, c), f"calc: {a}*{b}+{c}", f"The answer is {a * b + c}.", f"{a}+{b}=",
+                    "error: exit code 1\nTraceback (most recent call last):\n  File \"main.py\"", "error: timed out",
+                    "NameError: name 'x' is not defined", "SyntaxError: invalid syntax", "ZeroDivisionError"]
+
+
+def make_tokenizer(path: str, vocab_size: int = 384) -> None:
+    """Train and save (tokenizer.json + tokenizer_config.json) a tokenizer that AutoTokenizer loads. No download."""
+    tok = Tokenizer(models.BPE())
+    # Every digit is its own token, so a tiny model reads and writes numbers digit by digit.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # all 256 bytes: any text
+    tok.train_from_iterator(_corpus(random.Random(0)), trainer)  # same corpus, same merges: same files every call
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 4096,
+              "clean_up_tokenization_spaces": False}
+    Path(path, "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# ---- the episode: one typed record from rollout to loss ----
+@dataclass
+class Episode:
+    ids: list[int] = field(default_factory=list)  # the whole conversation, exactly the tokens the engine saw
+    loss_mask: list[int] = field(default_factory=list)  # 1 on tokens the policy sampled, 0 on everything else
+    logprobs: list[float] = field(default_factory=list)  # engine's sampling logprob; 0.0 where mask 0
+    versions: list[int] = field(default_factory=list)  # policy version that sampled each token; -1 where mask 0
+    routing: torch.Tensor | None = None  # (T, n_moe_layers, top_k) int16 experts chosen at each position; -1 unknown
+    reward: float = 0.0
+    group: int = 0  # prompt id: episodes of one group share a prompt (group baselines)
+    info: dict = field(default_factory=dict)  # numbers to log (turns, tool_errors, ...)
+
+    def _pad_routing(self):  # keep routing at one row per token: -1 rows for positions no engine has computed
+        if self.routing is not None and len(self.routing) < len(self.ids):
+            pad = self.routing.new_full((len(self.ids) - len(self.routing), *self.routing.shape[1:]), -1)
+            self.routing = torch.cat([self.routing, pad])
+
+    def append(self, ids: list[int]) -> None:
+        """Prompt, tool or environment tokens: in the sequence, never trained on."""
+        n = len(ids)
+        self.ids += ids; self.loss_mask += [0] * n; self.logprobs += [0.0] * n; self.versions += [-1] * n
+        self._pad_routing()
+
+    def append_completion(self, c) -> None:
+        """An engine result for prompt = self.ids: c.ids, c.logprobs, c.versions, c.routing (prompt + sampled rows)."""
+        if not len(c.ids) == len(c.logprobs) == len(c.versions):
+            raise ValueError(f"completion lengths differ: ids {len(c.ids)}, logprobs {len(c.logprobs)}, "
+                             f"versions {len(c.versions)}")
+        n = len(c.ids)
+        self.ids += c.ids; self.loss_mask += [1] * n; self.logprobs += c.logprobs; self.versions += c.versions
+        if c.routing is None:
+            self._pad_routing()
+            return
+        if len(c.routing) != len(self.ids):
+            raise ValueError(f"completion routing has {len(c.routing)} rows, not prompt + sampled = {len(self.ids)}")
+        new = c.routing.to(torch.int16)
+        if self.routing is None:
+            self.routing = torch.full_like(new, -1)
+        self._pad_routing()
+        # Latest computation wins; -1 means the engine did not compute it (e.g. a prefix-cache hit), keep the old.
+        self.routing = torch.where(new >= 0, new, self.routing)
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError on an episode the trainer must not see."""
+        T = len(self.ids)
+        if not T == len(self.loss_mask) == len(self.logprobs) == len(self.versions):
+            raise ValueError(f"lengths differ: ids {T}, loss_mask {len(self.loss_mask)}, "
+                             f"logprobs {len(self.logprobs)}, versions {len(self.versions)}")
+        if self.routing is not None and (self.routing.dim() != 3 or len(self.routing) != T):
+            raise ValueError(f"routing shape {tuple(self.routing.shape)}, expected ({T}, n_moe_layers, top_k)")
+        if any(not 0 <= i < vocab_size for i in self.ids):
+            raise ValueError(f"token id outside vocab [0, {vocab_size})")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask must be 0 or 1")
+        if not any(self.loss_mask):
+            raise ValueError("no sampled token (loss_mask is all 0)")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"non-finite reward {self.reward}")
+        sampled = [(lp, v) for m, lp, v in zip(self.loss_mask, self.logprobs, self.versions) if m]
+        if not all(math.isfinite(lp) and v >= 0 for lp, v in sampled):
+            raise ValueError("a sampled token has a non-finite logprob or no policy version")
+
+
+# ---- turns: conversations grow by appending token ids, never by re-rendering ----
+def prompt_ids(tok, text: str) -> list[int]:
+    """The opening user turn and the assistant header, as the chat template renders it."""
+    s = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok.encode(s, add_special_tokens=False)
+
+
+def turn_suffix(tok, text: str, role: str = "user") -> list[int]:
+    """Ids that continue a chat after an assistant turn that ended with <|im_end|>: a new turn + assistant header."""
+    # Special tokens split the text before BPE runs, so these ids equal what a full render would give here.
+    return tok.encode(f"\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
+
+async def model_turn(llm, ep: Episode) -> str:
+    """One model turn appended to ep; returns its text, decoded only to show the environment."""
+    c = await llm.generate(ep.ids)
+    ep.append_completion(c)
+    end = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if not c.ids or c.ids[-1] != end:  # cut off at max_new_tokens: close the turn ourselves, unsampled (mask 0)
+        ep.append([end])
+    return llm.tokenizer.decode(c.ids, skip_special_tokens=True)
+
+
+# ---- tools: untrusted code in a sandboxed subprocess ----
+# The child locks itself down in this prelude and only then runs the model's code (main.py in its cwd).
+# We do not use preexec_fn: it runs Python between fork and exec, which can deadlock in a threaded
+# parent (and the rollout process has threads); the prelude runs in a fresh single-threaded interpreter.
+_PRELUDE = """
+import ctypes, os, resource, struct, sys
+uid, mem, nproc, cpu = map(int, sys.argv[1:5]); sys.argv = ["main.py"]
+libc = ctypes.CDLL(None, use_errno=True)
+def check(r):
+    if r < 0: raise OSError(ctypes.get_errno(), "sandbox setup failed")
+check(libc.prctl(38, 1, 0, 0, 0))  # PR_SET_NO_NEW_PRIVS: needed by Landlock; exec can't regain privileges
+abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(VERSION); < 0 on kernels without Landlock
+if abi >= 1:  # Landlock (Linux >= 5.13): every write/create/remove right is denied outside the cwd
+    rights = 0b1111111110010 | (abi >= 2) << 13 | (abi >= 3) << 14
+    fd = libc.syscall(444, struct.pack("Q", rights), 8, 0); check(fd)
+    check(libc.syscall(445, fd, 1, struct.pack("=Qi", rights, os.open(".", os.O_PATH)), 0))
+    check(libc.syscall(446, fd, 0))
+for res, n in [(resource.RLIMIT_AS, mem << 20), (resource.RLIMIT_FSIZE, mem << 20),
+               (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_CORE, 0)]:
+    resource.setrlimit(res, (n, n))
+if uid >= 0:  # drop root, but keep CAP_DAC_READ_SEARCH so a Python under /root (pyenv) stays importable
+    check(libc.prctl(8, 1, 0, 0, 0))  # PR_SET_KEEPCAPS
+    os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
+    check(libc.capset(struct.pack("Ii", 0x20080522, 0), struct.pack("6I", 1 << 2, 1 << 2, 0, 0, 0, 0)))
+exec(compile(open("main.py", "rb").read(), "main.py", "exec"), {"__name__": "__main__"})
+"""
+_calls = itertools.count()
+
+
+async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, max_procs: int = 16,
+                   max_output: int = 4096) -> tuple[bool, str]:
+    """Run untrusted Python `code` in a locked-down subprocess; return (ok, observation text)."""
+    # RLIMIT_NPROC is never enforced for uid 0 and counts every process of a uid, so as root each call
+    # gets its own throwaway uid: pid-derived, so concurrent calls (even across ranks) never share one.
+    uid = (1 << 20) + (os.getpid() << 8) + next(_calls) % 256 if os.geteuid() == 0 else -1
+    with tempfile.TemporaryDirectory(prefix="nanomolt_tool_", ignore_cleanup_errors=True) as tmp:
+        Path(tmp, "main.py").write_text(code)
+        if uid >= 0:
+            os.chown(tmp, uid, uid)
+        # -I -S: ignore PYTHON* variables, cwd and site-packages; -u: keep prints and tracebacks in order.
+        args = [str(uid), str(memory_mb), str(max_procs), str(math.ceil(timeout_s) + 1)]  # CPU s: backstop
+        # Our own pipe for stdout+stderr: asyncio's proc.wait() also waits for the pipes it made to close,
+        # so a background child holding one would stall the call until the timeout.
+        rfd, wfd = os.pipe()
+        out = open(rfd, "rb", buffering=0)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", "-u", "-c", _PRELUDE, *args, cwd=tmp, env={},
+                stdin=asyncio.subprocess.DEVNULL, stdout=wfd, stderr=wfd,
+                close_fds=True, start_new_session=True)  # own process group, so one killpg reaches forks
+        finally:
+            os.close(wfd)  # else we would never see EOF
+        stream = asyncio.StreamReader()
+        pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(stream), out)
+        half, head, tail, total = max_output // 2, b"", b"", 0
+
+        async def drain():  # keep the first and last max_output/2 bytes, drop the middle as it streams by
+            nonlocal head, tail, total
+            while chunk := await stream.read(1 << 16):
+                total += len(chunk)
+                keep = max(half - len(head), 0)
+                head, tail = head + chunk[:keep], (tail + chunk[keep:])[-half:]
+
+        reader, timed_out = asyncio.ensure_future(drain()), False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+        finally:  # runs on success, timeout and cancellation alike: nothing may outlive the main process
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            if uid >= 0:  # a child may setsid() out of the group; kill(-1) as its uid reaches every one
+                reaper = f"import os; os.setresuid({uid}, {uid}, {uid}); os.kill(-1, 9)"
+                await (await asyncio.create_subprocess_exec(
+                    sys.executable, "-I", "-S", "-c", reaper, env={}, stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)).wait()
+            await proc.wait()
+            # EOF comes once every writer is dead; but without root an escapee from the process group
+            # may live on holding the pipe, so give up on it after a second.
+            await asyncio.wait([reader], timeout=1.0)
+            reader.cancel()
+            pipe.close()
+    cut = b"\n... [output truncated] ...\n" if total > 2 * half else b""
+    text = (head + cut + tail).decode(errors="replace")
+    if timed_out:
+        return False, f"error: timed out after {timeout_s}s\n{text}"
+    if proc.returncode < 0:  # e.g. SIGKILL from RLIMIT_CPU, SIGXFSZ from RLIMIT_FSIZE, SIGABRT
+        sig = -proc.returncode
+        return False, f"error: killed by signal {sig} ({signal.strsignal(sig)})\n{text}"
+    if proc.returncode > 0:
+        return False, f"error: exit code {proc.returncode}\n{text}"
+    return True, text
+
+
+# ---- built-in tasks: each an agent `async def NAME(task, llm) -> Episode`, sized by the task dict ----
+def _ints(text: str) -> list[int]:
+    return [int(s) for s in re.findall(r"-?\d+", text)]
+
+
+async def guess(task: dict, llm) -> Episode:
+    """Find a secret in 1..guess_max from higher/lower feedback within max_turns model turns."""
+    ep, tok, secret = Episode(group=task["group"]), llm.tokenizer, task["secret"]
+    ep.append(prompt_ids(tok, GUESS_PROMPT.format(task["guess_max"])))
+    invalid = 0
+    for turn in range(1, task["max_turns"] + 1):
+        digit = re.search(r"[1-9]", await model_turn(llm, ep))  # the first digit is the guess
+        if digit is None:
+            invalid, feedback = invalid + 1, "say a number"
+        else:
+            g = int(digit.group())
+            feedback = "correct" if g == secret else "higher" if g < secret else "lower"
+        if feedback == "correct" or turn == task["max_turns"]:
+            break  # no feedback after the last turn: it would be tokens nothing learns from
+        ep.append(turn_suffix(tok, feedback))
+    ep.reward = float(feedback == "correct")
+    ep.info = {"turns": turn, "invalid": invalid}
+    return ep
+
+
+async def calc(task: dict, llm) -> Episode:
+    """Compute a*b+c, maybe with a Python tool (`calc: <expression>`); the last integer in the last turn answers."""
+    ep, tok = Episode(group=task["group"]), llm.tokenizer
+    ep.append(prompt_ids(tok, CALC_PROMPT.format(task["a"], task["b"], task["c"])))
+    calls = errors = 0
+    for turn in range(1, task["max_turns"] + 1):
+        text = await model_turn(llm, ep)
+        call = re.search(r"calc:([^\n]*)", text)
+        if call is None or turn == task["max_turns"]:
+            break  # an answer, or a call whose result no turn is left to read
+        expr = call.group(1).strip().strip("`")
+        ok, out = await run_tool(f"print({expr})", timeout_s=task["tool_timeout"], memory_mb=task["tool_memory_mb"],
+                                 max_output=task.get("tool_max_output", 1024))
+        calls, errors = calls + 1, errors + (not ok)
+        ep.append(turn_suffix(tok, out.strip() or "(no output)", role="tool"))
+    answer = _ints(text)
+    ep.reward = float(bool(answer) and answer[-1] == task["a"] * task["b"] + task["c"])
+    ep.info = {"turns": turn, "tool_calls": calls, "tool_errors": errors}
+    return ep
+
+
+async def arith(task: dict, llm) -> Episode:
+    """Single turn `a+b=`; the first integer of the answer is checked."""
+    ep = Episode(group=task["group"])
+    ep.append(prompt_ids(llm.tokenizer, f"{task['a']}+{task['b']}="))
+    answer = _ints(await model_turn(llm, ep))
+    ep.reward = float(bool(answer) and answer[0] == task["a"] + task["b"])
+    return ep
+
+
+TASKS = {"guess": guess, "calc": calc, "arith": arith}
+
+
+def load_agent(name: str):
+    """A built-in task name, or a path to a Python file that defines `async def run(task, llm) -> Episode`."""
+    if name in TASKS:
+        return TASKS[name]
+    if not os.path.isfile(name):
+        raise FileNotFoundError(f"agent {name!r} is neither a built-in task ({', '.join(TASKS)}) nor an existing file")
+    spec = importlib.util.spec_from_file_location(f"nanomolt_agent_{Path(name).stem}", name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    run = getattr(module, "run", None)
+    if not inspect.iscoroutinefunction(run):
+        raise ValueError(f"agent file {name!r} does not define `async def run(task, llm)`")
+    return run
+
+
+def make_task(name_or_path: str, index: int, *, seed: int, group_size: int, guess_max: int = 7, max_turns: int = 3,
+              tool_timeout: float = 5.0, tool_memory_mb: int = 256, **knobs) -> dict:
+    """The task dict of episode `index`. A pure function of (seed, index): a resumed run continues the same stream."""
+    if not 1 <= guess_max <= 9:
+        raise ValueError(f"guess_max={guess_max}: must be in 1..9 (a guess is one digit)")
+    group = index // group_size  # a group shares one prompt, so its baseline compares like with like
+    rng = random.Random(seed * 1_000_003 + group)
+    # Every field is drawn for every task, in a fixed order, so one task's draws never shift another's.
+    secret, a, b, c = rng.randint(1, guess_max), rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
+    return dict(knobs, task=name_or_path, index=index, group=group, guess_max=guess_max, max_turns=max_turns,
+                tool_timeout=tool_timeout, tool_memory_mb=tool_memory_mb, secret=secret, a=a, b=b, c=c,
+                seed=rng.getrandbits(32))  # for user agents that draw their own data

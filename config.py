@@ -1,0 +1,171 @@
+"""
+config.py: every knob of a run, in one flat dataclass. `--config configs/x.py` (a Python file that
+assigns fields) is read first, then `--key=value` overrides; `--help` lists every field.
+Unknown keys, wrong types and impossible combinations fail before anything starts, naming the key.
+"""
+import ast
+import sys
+import types
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class Config:
+    # ---- run ----
+    out_dir: str = "out/default"  # where metrics.jsonl, episodes and checkpoints go
+    seed: int = 0  # seeds the model init, the sampler and the tasks
+    max_steps: int = 100  # optimizer steps to run
+    resume: bool = False  # continue from the latest checkpoint in out_dir
+    ckpt_every: int = 50  # write a checkpoint every N steps (and at the end); 0 = only at the end
+    dump_every: int = 10  # dump a few full episodes (decoded text, masks, reward) every N steps
+    wandb_project: str = ""  # log to Weights & Biases under this project when wandb is installed
+    # ---- model ----
+    model: str = "tiny"  # a Hugging Face directory (Qwen3 / Qwen3-MoE), or "tiny": a small MoE made from scratch
+    dtype: str = "float32"  # float32 or bfloat16 (parameters and compute)
+    tiny_layers: int = 4  # tiny model: decoder layers
+    tiny_hidden: int = 128  # tiny model: width
+    tiny_experts: int = 8  # tiny model: experts per MoE layer (0 = dense)
+    tiny_top_k: int = 2  # tiny model: experts per token
+    # ---- generation ----
+    engine: str = "torch"  # torch (embedded, CPU or GPU), vllm or sglang (server processes)
+    engine_slots: int = 64  # rows decoded together by the torch engine (continuous batching)
+    engine_max_len: int = 256  # longest conversation (tokens) the torch engine holds per slot
+    max_new_tokens: int = 8  # per model turn
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling
+    top_k: int = 0  # top-k sampling; 0 = off
+    server_urls: str = ""  # comma-separated URLs of running servers; empty = start one locally
+    server_python: str = ""  # interpreter that runs the server (its own venv); empty = this one
+    server_timeout: float = 600.0  # seconds to wait for a server to become healthy
+    # ---- agents and tasks ----
+    task: str = "guess"  # guess | calc | arith | path/to/agent.py (a file defining `async def run(task, llm)`)
+    group_size: int = 8  # episodes per prompt (the GRPO group)
+    prompts_per_step: int = 8  # prompts per optimizer step; batch = prompts_per_step * group_size episodes
+    max_turns: int = 3  # model turns per episode in multi-turn tasks
+    guess_max: int = 7  # guess task: the secret is in 1..guess_max
+    concurrent_agents: int = 64  # agents running at once in the rollout process
+    episode_timeout: float = 120.0  # seconds before an agent is cancelled and its episode dropped
+    tool_timeout: float = 5.0  # seconds of wall time for one tool call
+    tool_memory_mb: int = 256  # address-space limit of a tool call
+    # ---- algorithm ----
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean
+    policy_loss: str = "ppo"  # ppo | gspo | cispo
+    clip_low: float = 0.2  # ratio clip below 1
+    clip_high: float = 0.28  # ratio clip above 1 (clip-higher)
+    dual_clip: float = 0.0  # dual-clip bound c for negative advantages; 0 = off
+    correction: str = "tis"  # train-vs-rollout correction: none | tis | mis | seq_mis
+    correction_low: float = 0.5  # lower bound of the correction band (mis, seq_mis)
+    correction_high: float = 2.0  # upper bound (truncation for tis)
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+    kl_coef: float = 0.0  # weight of the KL-to-reference loss (0 = no reference model)
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    entropy_coef: float = 0.0  # entropy bonus
+    lr: float = 1e-3  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # clip the global gradient norm (after reduction across ranks)
+    micro_batch: int = 64  # episodes per forward/backward
+    max_staleness: int = 1  # max policy versions between sampling a token and training on it; 0 = on-policy
+    queue_size: int = 256  # episodes buffered between rollout and trainer (back-pressure beyond)
+    max_bad_steps: int = 3  # stop after this many non-finite losses in a row (each one is skipped)
+
+    def __post_init__(self):
+        # ---- derived values and cross-field checks ----
+        self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
+        checks = [
+            ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
+            ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
+            ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
+             f"must be in 1..tiny_experts ({self.tiny_experts})"),
+            ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
+            ("group_size", self.group_size >= 1, "must be >= 1"),
+            ("prompts_per_step", self.prompts_per_step >= 1, "must be >= 1"),
+            ("micro_batch", self.micro_batch >= 1, "must be >= 1"),
+            ("max_turns", self.max_turns >= 1, "must be >= 1"),
+            ("temperature", self.temperature > 0, "must be > 0 (the recorded logprobs need a sampling distribution)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),
+            ("correction_low", self.correction_low < 1 < self.correction_high, "need correction_low < 1 < correction_high"),
+            ("queue_size", self.queue_size >= self.batch_size, f"must hold one batch ({self.batch_size} episodes)"),
+        ]
+        import estimators  # the variant names live beside the functions
+        for key, table in (("advantage", estimators.ADVANTAGES), ("policy_loss", estimators.POLICY_LOSSES),
+                           ("correction", estimators.CORRECTIONS), ("aggregation", estimators.AGGREGATIONS),
+                           ("kl_estimator", estimators.KL)):
+            checks.append((key, getattr(self, key) in table, f"must be one of {', '.join(table)}"))
+        for key, ok, why in checks:
+            if not ok:
+                raise ValueError(f"config: {key}={getattr(self, key)!r} {why}")
+
+
+def field_docs():
+    """The trailing comment of each field, read from this file's source (one place for the docs)."""
+    docs = {}
+    for line in open(__file__).read().splitlines():
+        name, sep, rest = line.strip().partition(":")
+        if sep and "#" in rest and name.isidentifier():
+            docs[name] = rest.split("#", 1)[1].strip()
+    return docs
+
+
+def _coerce(key, value, typ):
+    if typ is bool:
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+            return value.lower() in ("1", "true", "yes")
+        if isinstance(value, bool):
+            return value
+    elif typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif typ is str and isinstance(value, str):
+        return value
+    elif isinstance(value, str):  # from the command line
+        try:
+            return _coerce(key, ast.literal_eval(value), typ)
+        except (ValueError, SyntaxError):
+            pass
+    elif isinstance(value, typ) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"config: {key}={value!r} is not a {typ.__name__}")
+
+
+def load(argv=None):
+    """Parse `[--config file.py] [--key=value ...]` into a validated Config."""
+    argv = sys.argv[1:] if argv is None else argv
+    types_ = {f.name: f.type for f in fields(Config)}
+    if "--help" in argv or "-h" in argv:
+        docs = field_docs()
+        print("usage: train.py [--config configs/x.py] [--key=value ...]\n")
+        for f in fields(Config):
+            print(f"  --{f.name}={f.default!r:<14} {docs.get(f.name, '')}")
+        sys.exit(0)
+    values, overrides = {}, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else argv[(i := i + 1)]
+            scope = {}
+            with open(path) as f:
+                exec(compile(f.read(), path, "exec"), scope)
+            for k, v in scope.items():
+                if k.startswith("_") or isinstance(v, types.ModuleType):
+                    continue
+                if k not in types_:
+                    raise ValueError(f"config: unknown key {k!r} in {path}")
+                values[k] = _coerce(k, v, types_[k])
+        elif arg.startswith("--"):
+            k, eq, v = arg[2:].partition("=")
+            if not eq:  # a bare flag: --resume
+                v = "true"
+            if k not in types_:
+                raise ValueError(f"config: unknown key {k!r} (see --help)")
+            overrides.append((k, v))
+        else:
+            raise ValueError(f"config: unexpected argument {arg!r} (use --key=value)")
+        i += 1
+    for k, v in overrides:  # the command line wins over the file
+        values[k] = _coerce(k, v, types_[k])
+    return Config(**values)
+
+
+def to_dict(cfg):
+    return asdict(cfg) | {"batch_size": cfg.batch_size}

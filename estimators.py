@@ -1,0 +1,273 @@
+"""
+The math of the RL objective, and nothing else: tensors in, tensors out.
+
+Five families, each a set of sibling functions with one keyword-only signature, chosen by name
+from the dict beside them (ADVANTAGES, POLICY_LOSSES, CORRECTIONS, KL, AGGREGATIONS):
+
+    adv     = ADVANTAGES[name](rewards=..., group_ids=...)           # [N], one per episode
+    loss, f = POLICY_LOSSES[name](logp=..., old_logp=..., ...)       # [B, T] per-token loss
+    w, f    = CORRECTIONS[name](old_logp=..., rollout_logp=..., ...) # [B, T] detached weights
+    loss    = AGGREGATIONS[name](per_token=w * loss + beta * KL[k](...), loss_mask=..., ...)
+
+Conventions: per-token tensors are [B, T] (B sequences, T positions); logp is the log-prob of the
+token actually sampled at each position. loss_mask is 1 on tokens the policy sampled and 0 on
+prompt, tool, environment and padding tokens; everything that is averaged is averaged over those.
+"""
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: any ratio past this is clipped or masked anyway, and exp stays finite
+EPS = 1e-6              # added to a std before dividing, so an all-equal group cannot divide by zero
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of x over tokens where mask is 1, as a detached scalar; 0 when nothing is sampled."""
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
+
+
+def _safe_exp(log_ratio: Tensor) -> Tensor:
+    # Clamp *before* exp: exp(100) is inf in fp32, and inf * 0 in the backward pass is NaN even when a
+    # later torch.where or mask would have thrown the value away.
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
+
+# ---- advantages: per-episode scalars from per-episode rewards ----
+# rewards: [N] float, group_ids: [N] arbitrary ints (episodes of one prompt share an id; groups may
+# differ in size). The trainer broadcasts the [N] result over each episode's sampled tokens.
+
+def _centre(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Reward minus its group mean, the group's unbiased std and the group's size, each [N]."""
+    ids, idx = torch.unique(group_ids, return_inverse=True)  # idx: [N], dense group index in 0..G-1
+    zeros = rewards.new_zeros(len(ids))  # [G]
+    # Shift each group by its own max first so an all-equal group is exactly 0 before any sum:
+    # 0.1 + 0.1 + 0.1 != 0.3 in floats, and a 1e-9 residue divided by (1e-9 + EPS) is not zero.
+    top = zeros.scatter_reduce(0, idx, rewards, "amax", include_self=False)  # [G]
+    shifted = rewards - top[idx]
+    count = zeros.index_add(0, idx, torch.ones_like(rewards))  # [G]
+    dev = shifted - (zeros.index_add(0, idx, shifted) / count)[idx]  # [N]
+    var = zeros.index_add(0, idx, dev**2) / (count - 1).clamp(min=1)  # [G], a group of one has var 0
+    return dev, var.sqrt()[idx], count[idx]
+
+
+def grpo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """GRPO, Shao et al. 2024 (https://arxiv.org/abs/2402.03300): (r - group mean) / (group std + EPS).
+    std is unbiased; a group of one or an all-equal group gets advantage 0."""
+    dev, std, _ = _centre(rewards, group_ids)
+    return dev / (std + EPS)
+
+
+def dr_grpo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Dr. GRPO, Liu et al. 2025 (https://arxiv.org/abs/2503.20783): r - group mean, no std division,
+    because dividing by std up-weights prompts that are nearly always solved or nearly always failed."""
+    return _centre(rewards, group_ids)[0]
+
+
+def rloo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """RLOO, Kool et al. 2019 / Ahmadian et al. 2024 (https://arxiv.org/abs/2402.14740): r minus the
+    mean of the *other* episodes in the group, which keeps the baseline independent of the episode.
+    Equals n/(n-1) * (r - group mean); a group of one has no other episode and gets 0."""
+    dev, _, n = _centre(rewards, group_ids)
+    return dev * n / (n - 1).clamp(min=1)
+
+
+def reinforce_pp(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """REINFORCE++, Hu 2025 (https://arxiv.org/abs/2501.03262): rewards whitened across the whole batch
+    (batch mean and unbiased std), ignoring groups. group_ids is accepted for the shared signature."""
+    dev, std, _ = _centre(rewards, torch.zeros_like(group_ids))
+    return dev / (std + EPS)
+
+
+def reinforce_pp_baseline(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """REINFORCE++-baseline (https://arxiv.org/abs/2501.03262): subtract the group mean (as Dr. GRPO),
+    then whiten the result across the batch, so the scale is set by the batch and not by each group."""
+    return reinforce_pp(rewards=_centre(rewards, group_ids)[0], group_ids=group_ids)
+
+
+def batch_mean(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Plain REINFORCE with a batch-mean baseline, for one sample per prompt where groups are
+    singletons (Williams 1992). No std division. group_ids is accepted for the shared signature."""
+    return _centre(rewards, torch.zeros_like(group_ids))[0]
+
+
+ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
+              "reinforce_pp_baseline": reinforce_pp_baseline, "batch_mean": batch_mean}
+
+
+# ---- policy losses: per-token loss [B, T] (zero where loss_mask is 0) and a clip fraction ----
+# logp: [B, T] current policy, with grad. old_logp: [B, T] the policy that the batch is scored
+# against (the trainer's recompute before the first update), no grad. advantages: [B, T].
+# clip_frac is the fraction of sampled tokens whose ratio was clipped, as a detached scalar.
+
+def _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip):
+    """-min(r A, clip(r) A), with the dual-clip cap for A < 0. Returns loss [B, T], clipped [B, T] bool."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    was_clipped = clipped < unclipped  # min chose the flat branch: no gradient for this token
+    if dual_clip is not None:
+        # With A < 0 and r -> inf, -r A is unbounded; Ye et al. cap the loss at -c A (c > 1).
+        cap = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)  # both branches are finite, so where's backward is safe
+        was_clipped = was_clipped | dual
+    return loss, was_clipped
+
+
+def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
+        clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate, Schulman et al. 2017 (https://arxiv.org/abs/1707.06347), per token.
+    Ratio r = pi/pi_old is clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's
+    clip-higher (https://arxiv.org/abs/2503.14476), which leaves room to raise rare tokens' probability.
+    dual_clip = c > 1 caps the loss of A < 0 tokens at -c A, Ye et al. 2020
+    (https://arxiv.org/abs/1912.09729). Masks: loss is zeroed where loss_mask is 0."""
+    ratio = _safe_exp(logp - old_logp)  # [B, T]
+    loss, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
+    return loss * loss_mask, _masked_mean(clipped, loss_mask)
+
+
+def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
+         clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
+    """GSPO, Zheng et al. 2025 (https://arxiv.org/abs/2507.18071): one ratio per sequence,
+    s = exp(mean of log r over the sequence's sampled tokens), i.e. length-normalised in log space,
+    clipped as in ppo() (the paper uses tiny clip ranges, ~3e-4 / 4e-4). Written as the paper's
+    GSPO-token form: every token gets the value s and the gradient s * grad logp_t, so under
+    seq_mean_token_mean aggregation the gradient is exactly GSPO's; a whole sequence clips together.
+    Masks: padding does not enter the mean, and loss is zeroed where loss_mask is 0."""
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * loss_mask  # [B, T]
+    seq_log_ratio = log_ratio.sum(-1) / loss_mask.sum(-1).clamp(min=1)  # [B]
+    # value sg(s), gradient flows through each token's own logp; logp - logp.detach() is exactly 0
+    ratio = _safe_exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())  # [B, T]
+    loss, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
+    return loss * loss_mask, _masked_mean(clipped, loss_mask)
+
+
+def cispo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
+          clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
+    """CISPO, MiniMax-M1 2025 (https://arxiv.org/abs/2506.13585):
+    loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp.
+    Clips the importance *weight*, not the update, so clipped tokens still get gradient (PPO drops them,
+    and with them the rare "fork" tokens). The paper sets no lower bound and tunes only the upper one:
+    pass clip_low >= 1 to reproduce that. clip_frac counts tokens outside either bound. dual_clip is
+    ignored (the weight is already bounded). Only the gradient is meaningful, not the loss value.
+    Masks: loss is zeroed where loss_mask is 0."""
+    ratio = _safe_exp(logp - old_logp)  # [B, T]
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
+    clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+    return -weight * advantages * logp * loss_mask, _masked_mean(clipped, loss_mask)
+
+
+POLICY_LOSSES = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
+
+
+# ---- train-vs-rollout correction: detached weights [B, T] on ratio pi_old / pi_rollout ----
+# The engine (bf16 kernels, other batching) samples from pi_rollout, which is not quite the trainer's
+# pi_old. old_logp is the trainer's recompute, rollout_logp the engine's. The weight multiplies the
+# per-token policy loss; frac is the fraction of sampled tokens it truncated or masked.
+
+def tis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
+    """Truncated IS per token, min(ratio, high): Yao et al. 2025 (https://fengyao.notion.site/off-policy-rl),
+    after IMPALA's truncation (https://arxiv.org/abs/1802.01561). low is unused; there is no lower bound."""
+    ratio = _safe_exp(old_logp - rollout_logp).detach()  # [B, T]
+    return ratio.clamp(max=high), _masked_mean(ratio > high, loss_mask)
+
+
+def mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
+    """Masked IS per token: weight 1 if low <= ratio <= high else 0; drops the token rather than
+    trusting a reweighted one. IcePop, Ling Team 2025 (https://arxiv.org/abs/2510.18855)."""
+    ratio = _safe_exp(old_logp - rollout_logp).detach()  # [B, T]
+    keep = (ratio >= low) & (ratio <= high)
+    return keep.to(ratio.dtype), _masked_mean(~keep, loss_mask)
+
+
+def seq_mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
+    """Sequence-level masked IS on the geometric-mean ratio exp(mean log ratio over sampled tokens):
+    keep or drop whole sequences. Liu, Li et al. 2025 "When Speed Kills Stability"
+    (https://richardli.xyz/post/rl-collapse-training-inference). The geometric mean, unlike the
+    product, does not make long sequences fail by length alone. frac counts sampled tokens dropped."""
+    log_ratio = (old_logp - rollout_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * loss_mask
+    seq_ratio = _safe_exp(log_ratio.sum(-1) / loss_mask.sum(-1).clamp(min=1))  # [B]
+    keep = ((seq_ratio >= low) & (seq_ratio <= high))[:, None].expand_as(old_logp)  # [B, T]
+    return keep.to(old_logp.dtype), _masked_mean(~keep, loss_mask)
+
+
+def none(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
+    """No correction: weight 1 everywhere, nothing clipped."""
+    return torch.ones_like(old_logp), old_logp.new_zeros(())
+
+
+CORRECTIONS = {"tis": tis, "mis": mis, "seq_mis": seq_mis, "none": none}
+
+
+# ---- KL to a reference policy, per token [B, T], from sampled tokens only ----
+# Schulman's estimators (http://joschu.net/blog/kl-approx.html) with r = ref_logp - logp. As *values*
+# each estimates KL(pi || ref). As *loss terms* (gradient through logp) they differ, per Tang & Munos
+# 2025 (https://arxiv.org/abs/2506.09477): k1's expected gradient is 0, k2's is grad KL(pi || ref),
+# k3's (GRPO's choice) is grad KL(ref || pi). Unmasked: the aggregation applies loss_mask.
+
+def kl_k1(*, logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = -r = logp - ref_logp. Unbiased, but negative half the time."""
+    return logp - ref_logp
+
+
+def kl_k2(*, logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = r^2 / 2. Biased but low variance; as a loss its expected gradient is the reverse-KL one."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def kl_k3(*, logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = exp(r) - 1 - r >= 0. Unbiased and low variance; r is clamped before exp."""
+    r = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return r.exp() - 1 - r
+
+
+KL = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def entropy(*, logits: Tensor) -> Tensor:
+    """Entropy of the full next-token distribution, [B, T, V] -> [B, T], in fp32 via log_softmax so a
+    large logit cannot overflow. Differentiable, for logging or an entropy bonus. Unmasked."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]; a [B, T, V] fp32 copy, chunk if big
+    return -(logp.exp() * logp).sum(-1)  # exp underflows to exactly 0 where logp is very negative
+
+
+# ---- aggregation: [B, T] per-token loss -> scalar ----
+# With gradient accumulation, each micro-batch's loss must carry its share of the *step*: pass the
+# step-wide counts (summed over all micro-batches and ranks) so the summed gradients equal the
+# full-batch gradient. If the data-parallel backend averages gradients over ranks, the trainer
+# multiplies the loss by the world size to undo that average.
+
+def token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
+               num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
+    """Sum over sampled tokens / num_tokens, the step's sampled-token count (this batch's if None).
+    Every token weighs the same, so long sequences weigh more (DAPO, https://arxiv.org/abs/2503.14476)."""
+    denom = loss_mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    return (per_token * loss_mask).sum() / denom
+
+
+def seq_mean_token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
+                        num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
+    """Mean over each sequence's sampled tokens, then sum / num_seqs (the step's sequence count; this
+    batch's B if None). Original GRPO (https://arxiv.org/abs/2402.03300): every sequence weighs the same."""
+    per_seq = (per_token * loss_mask).sum(-1) / loss_mask.sum(-1).clamp(min=1)  # [B]
+    return per_seq.sum() / (per_token.shape[0] if num_seqs is None else num_seqs)
+
+
+def seq_mean_token_sum(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
+                       num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
+    """Sum over each sequence's sampled tokens, then sum / num_seqs (this batch's B if None)."""
+    per_seq = (per_token * loss_mask).sum(-1)  # [B]
+    return per_seq.sum() / (per_token.shape[0] if num_seqs is None else num_seqs)
+
+
+def seq_mean_token_sum_norm(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
+                            num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
+    """Sum over each sequence's sampled tokens / norm_const, then sum / num_seqs (B if None).
+    Dr. GRPO (https://arxiv.org/abs/2503.20783): a constant instead of each length removes the length
+    bias. norm_const defaults to T, this batch's padded length; pass the max generation length so the
+    constant is the same in every micro-batch."""
+    per_seq = (per_token * loss_mask).sum(-1) / (per_token.shape[-1] if norm_const is None else norm_const)
+    return per_seq.sum() / (per_token.shape[0] if num_seqs is None else num_seqs)
+
+
+AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean,
+                "seq_mean_token_sum": seq_mean_token_sum, "seq_mean_token_sum_norm": seq_mean_token_sum_norm}

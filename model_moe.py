@@ -1,0 +1,346 @@
+"""
+model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch.
+
+- Module and parameter names mirror Hugging Face's Qwen3 / Qwen3-MoE, so a checkpoint loads with a
+  key-for-key copy; the only conversion is experts, stored stacked here ([E, out, in], one matmul
+  per expert) and per-expert on disk, as published checkpoints are.
+- One forward serves training (full causal sequences) and generation (a KV cache with one slot per
+  request, each row at its own length), so the engine and the trainer run the same code.
+- MoE routing can be captured ([n_moe_layers, B, T, top_k]) and replayed: replay fixes which experts
+  run, the router still gets gradient through the combine weights (arXiv:2510.11370, "routing replay").
+"""
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256  # dense MLP width
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = True
+    num_experts: int = 0  # 0 = dense model (Qwen3ForCausalLM)
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    # vision encoder (issue: multimodal); 0 = text only
+    image_token_id: int = -1
+
+    def is_moe_layer(self, i):
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def n_moe_layers(self):
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @classmethod
+    def from_hf(cls, d, path="config.json"):
+        arch = (d.get("architectures") or ["?"])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"{path}: rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
+        kw["rope_theta"] = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        kw["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        kw["num_experts"] = d.get("num_experts", d.get("num_local_experts", 0)) if arch == ARCHITECTURES[1] else 0
+        return cls(**kw)
+
+    def to_hf(self):
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "image_token_id"}
+        moe = self.num_experts > 0
+        d.update(architectures=[ARCHITECTURES[moe]], model_type="qwen3_moe" if moe else "qwen3", hidden_act="silu",
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta}, attention_bias=False,
+                 torch_dtype="float32", num_local_experts=self.num_experts)
+        return d
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):  # normalise in fp32 like the reference, then scale in the input dtype
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope(x, cos, sin):  # x (B, H, T, D); rotate-half convention of the Qwen/Llama checkpoints
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+        self.q_norm, self.k_norm = RMSNorm(self.hd, c.rms_norm_eps), RMSNorm(self.hd, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache=None):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if cache is not None:  # write this call's keys at their positions, attend over the slot's history
+            k, v = cache(k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Softmax router, top-k experts, SwiGLU experts stored stacked; tokens grouped per expert."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
+        self.gate = nn.Linear(H, E, bias=False)  # the router
+        self.w_gate = nn.Parameter(torch.empty(E, I, H))  # expert e's gate_proj.weight is w_gate[e]
+        self.w_up = nn.Parameter(torch.empty(E, I, H))
+        self.w_down = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x, replay=None):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, H)
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        if replay is not None:  # the experts are given (-1: not recorded, route freely);
+            replay = replay.reshape(-1, self.top_k).to(x.device, torch.long)  # the weights still come
+            experts = torch.where(replay >= 0, replay, experts)  # from (and train) this router
+            weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        # group the N*k (token, expert) pairs by expert: one matmul per expert over its tokens
+        flat = experts.flatten()  # (N*k,)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.w_gate.shape[0]).tolist()
+        token = order // self.top_k
+        xs = x[token]  # (N*k, H), sorted by expert
+        out = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                h = xs[start:start + n]
+                out[start:start + n] = (F.silu(h @ self.w_gate[e].T) * (h @ self.w_up[e].T)) @ self.w_down[e].T
+                start += n
+        out = out * weights.flatten()[order, None]
+        y = torch.zeros_like(x).index_add_(0, token, out)
+        return y.reshape(shape), experts.reshape(*shape[:-1], self.top_k)
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, i):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MoE(c) if c.is_moe_layer(i) else MLP(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, cos, sin, mask, cache=None, replay=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            h, experts = self.mlp(h, replay)
+            return x + h, experts
+        return x + self.mlp(h), None
+
+
+class KVCache:
+    """One slot per request: k, v (L, S, nkv, max_len, hd). A row's token at position p is stored at
+    index p of its slot, so rows of different lengths share one batch and a freed slot is reused
+    without clearing (stale entries sit beyond the new occupant's positions and are masked)."""
+
+    def __init__(self, c: ModelConfig, n_slots, max_len, dtype=torch.float32, device="cpu"):
+        shape = (c.num_hidden_layers, n_slots, c.num_key_value_heads, max_len, c.head_dim)
+        self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    def bind(self, layer, slots, positions, n_keys):
+        def update(k, v):  # k, v (B, nkv, T, hd) -> the slots' keys (B, nkv, n_keys, hd)
+            b = slots[:, None].expand_as(positions)
+            self.k[layer][b, :, positions] = k.transpose(1, 2)
+            self.v[layer][b, :, positions] = v.transpose(1, 2)
+            return self.k[layer, slots, :, :n_keys], self.v[layer, slots, :, :n_keys]
+        return update
+
+
+class Transformer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.config = c
+        self.model = nn.Module()  # the nesting only mirrors Hugging Face key names
+        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.model.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
+        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_weights(self, seed=0, std=0.02):
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * std)
+        return self
+
+    def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,
+                return_routing=False, embeds=None):
+        """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)].
+        positions (B, T): rotary positions, default 0..T-1. pad_mask (B, T) bool: False on padding
+        keys (left or right padding). cache/slots: KVCache and the slot of each row (B,); the tokens
+        are written at their positions and attend to everything at or before them in their slot.
+        routing: experts to replay. embeds (B, T, C): input embeddings to use instead of ids."""
+        c = self.config
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+        x = self.model.embed_tokens(ids) if embeds is None else embeds  # (B, T, C)
+        # rotary tables in fp32, as the reference computes them
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=ids.device).float() / c.head_dim))
+        freqs = positions[..., None].float() * inv_freq  # (B, T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hd)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        if cache is not None:
+            n_keys = int(positions.max()) + 1
+            mask = torch.arange(n_keys, device=ids.device) <= positions[..., None]  # (B, T, n_keys)
+        else:
+            n_keys = T
+            mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril().expand(B, T, T)
+            if pad_mask is not None:  # padding keys are invisible; a token always sees itself (no empty rows)
+                mask = (mask & pad_mask[:, None, :].bool()) | torch.eye(T, dtype=torch.bool, device=ids.device)
+        mask = mask[:, None]  # (B, 1, T, n_keys)
+        routes, j = [], 0
+        for i, layer in enumerate(self.model.layers):
+            kv = cache.bind(i, slots, positions, n_keys) if cache is not None else None
+            replay = None
+            if routing is not None and isinstance(layer.mlp, MoE):
+                replay, j = routing[j], j + 1
+            x, experts = layer(x, cos, sin, mask, kv, replay)
+            if experts is not None:
+                routes.append(experts)
+        logits = self.lm_head(self.model.norm(x))
+        if return_routing:
+            return logits, (torch.stack(routes) if routes else None)
+        return logits
+
+    # ---- Hugging Face checkpoints ----
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
+        with open(cfg_path) as f:
+            c = ModelConfig.from_hf(json.load(f), cfg_path)
+        with torch.device("meta"):
+            model = cls(c)
+        state = load_safetensors(path)
+        expected = to_hf_state(model.state_dict(), c)
+        missing = [k for k in expected if k not in state]
+        extra = [k for k in state if k not in expected and not (k == "lm_head.weight" and c.tie_word_embeddings)]
+        if missing or extra:
+            raise ValueError(f"{path}: checkpoint does not match config.json: missing {missing[:5]}, unexpected {extra[:5]}")
+        for k, t in expected.items():
+            if tuple(state[k].shape) != tuple(t.shape):
+                raise ValueError(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, config expects {tuple(t.shape)}")
+        own = from_hf_state({k: state[k].to(device, dtype) for k in expected}, c)
+        if c.tie_word_embeddings:
+            own["lm_head.weight"] = own["model.embed_tokens.weight"]
+        model.load_state_dict(own, strict=True, assign=True)
+        if c.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model
+
+    def save_pretrained(self, path, state_dict=None):
+        """Write config.json + model.safetensors. state_dict: a full (gathered) state dict, for FSDP."""
+        save_pretrained(path, self.config, self.state_dict() if state_dict is None else state_dict)
+
+
+def to_hf_state(sd, c: ModelConfig):
+    """Our state dict -> Hugging Face keys (experts split per expert; tied lm_head dropped)."""
+    out = {}
+    for k, t in sd.items():
+        if k == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        pre, _, name = k.rpartition(".")
+        if name in ("w_gate", "w_up", "w_down"):
+            proj = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}[name]
+            out.update({f"{pre}.experts.{e}.{proj}.weight": t[e] for e in range(t.shape[0])})
+        else:
+            out[k] = t
+    return out
+
+
+def from_hf_state(hf, c: ModelConfig):
+    """Hugging Face keys -> our state dict (per-expert tensors stacked)."""
+    out, experts = {}, {}
+    for k, t in hf.items():
+        if ".experts." in k:
+            pre, rest = k.split(".experts.")
+            e, proj, _ = rest.split(".")
+            experts.setdefault(f"{pre}.w_{proj[:-5]}", {})[int(e)] = t
+        else:
+            out[k] = t
+    for k, d in experts.items():
+        out[k] = torch.stack([d[e] for e in range(c.num_experts)])
+    return out
+
+
+def load_safetensors(path):
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        fp = os.path.join(path, name)
+        if not os.path.isfile(fp):
+            raise FileNotFoundError(f"{fp}: missing checkpoint file")
+        with safe_open(fp, framework="pt") as f:
+            state.update({k: f.get_tensor(k) for k in f.keys()})
+    return state
+
+
+def save_pretrained(path, c: ModelConfig, sd):
+    os.makedirs(path, exist_ok=True)
+    hf = {k: t.detach().contiguous().cpu() for k, t in to_hf_state(sd, c).items()}
+    save_file(hf, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c.to_hf(), f, indent=2)

@@ -1,0 +1,256 @@
+"""agent.py: tokenizer, Episode bookkeeping, built-in tasks against a scripted fake llm, loading, task streams."""
+import asyncio
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import agent
+from agent import Episode, load_agent, make_task, make_tokenizer, prompt_ids, turn_suffix
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    make_tokenizer(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def end_id(tok):
+    return tok.convert_tokens_to_ids("<|im_end|>")
+
+
+class ScriptLLM:
+    """Stands in for the engine: returns scripted turns as 'sampled' ids. The code under test is the task."""
+
+    def __init__(self, tok, turns, close=True, n_moe=0):
+        self.tokenizer, self.turns, self.close, self.n_moe = tok, list(turns), close, n_moe
+        self.prompts, self.sampled = [], []
+
+    async def generate(self, ids):
+        k = len(self.prompts)
+        self.prompts.append(list(ids))
+        out = self.tokenizer.encode(self.turns[k], add_special_tokens=False) + ([end_id(self.tokenizer)] * self.close)
+        self.sampled.append(out)
+        routing = None
+        if self.n_moe:  # experts = (position + turn) % 4, last sampled row unknown as on a real engine
+            T = len(ids) + len(out)
+            routing = ((torch.arange(T)[:, None, None] + k) % 4).expand(T, self.n_moe, 2).clone()
+            routing[-1] = -1
+        return SimpleNamespace(ids=out, logprobs=[-0.5 - k - 0.01 * i for i in range(len(out))],
+                               versions=[k + 10] * len(out), routing=routing)
+
+
+def run(fn, task, llm):
+    return asyncio.run(fn(task, llm))
+
+
+# ---- tokenizer ----
+def test_tokenizer_loads_and_renders_chatml(tok):
+    assert 300 <= len(tok) <= 400
+    msgs = [{"role": "user", "content": "Guess my number from 1 to 7."}, {"role": "assistant", "content": "5"}]
+    s = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert s == ("<|im_start|>user\nGuess my number from 1 to 7.<|im_end|>\n"
+                 "<|im_start|>assistant\n5<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(tok.encode(s, add_special_tokens=False)) == s
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    for t in agent.SPECIAL_TOKENS:
+        ids = tok.encode(t, add_special_tokens=False)
+        assert len(ids) == 1 and ids[0] == tok.convert_tokens_to_ids(t) < 4, t
+
+
+def test_digits_are_single_tokens(tok):
+    for number in ["0123456789", "12345", "x=907"]:
+        ids = tok.encode(number, add_special_tokens=False)
+        digits = [tok.decode([i]) for i in ids if tok.decode([i]).isdigit()]
+        assert digits == [ch for ch in number if ch.isdigit()]
+    assert len({tok.encode(str(d), add_special_tokens=False)[0] for d in range(10)}) == 10
+    assert not [t for t in tok.get_vocab() if len(t) > 1 and t.isdigit()]  # no merged digits anywhere
+
+
+def test_make_tokenizer_is_deterministic(tmp_path):
+    make_tokenizer(str(tmp_path / "a"))
+    make_tokenizer(str(tmp_path / "b"))
+    for name in ["tokenizer.json", "tokenizer_config.json"]:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_appending_turns_equals_rendering(tok):
+    # The agent never re-renders; its appended ids must still be what the template would give.
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "5"},
+            {"role": "user", "content": "higher"}]
+    full = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    grown = prompt_ids(tok, "hi") + tok.encode("5", add_special_tokens=False) + [end_id(tok)] + turn_suffix(tok, "higher")
+    assert grown == full
+
+
+# ---- guess ----
+def guess_task(**kw):
+    return {"group": 3, "secret": 5, "guess_max": 7, "max_turns": 3, **kw}
+
+
+def test_guess_found_episode_layout(tok):
+    llm = ScriptLLM(tok, ["3", "I say 7", "5"])
+    ep = run(agent.guess, guess_task(), llm)
+    assert ep.reward == 1.0 and ep.info == {"turns": 3, "invalid": 0} and ep.group == 3
+    s1, s2, s3 = llm.sampled
+    prompt = prompt_ids(tok, "Guess my number from 1 to 7.")
+    fb1, fb2 = turn_suffix(tok, "higher"), turn_suffix(tok, "lower")  # 3 < 5, then 7 > 5
+    assert ep.ids == prompt + s1 + fb1 + s2 + fb2 + s3
+    assert ep.loss_mask == [0] * len(prompt) + [1] * len(s1) + [0] * len(fb1) + [1] * len(s2) + [0] * len(fb2) + [1] * len(s3)
+    # Each generate call saw exactly the episode so far: the conversation is the token stream.
+    assert llm.prompts == [prompt, prompt + s1 + fb1, prompt + s1 + fb1 + s2 + fb2]
+    sampled = [i for i, m in enumerate(ep.loss_mask) if m]
+    assert [ep.ids[i] for i in sampled] == s1 + s2 + s3
+    assert [ep.logprobs[i] for i in sampled] == [-0.5 - k - 0.01 * i for k, s in enumerate(llm.sampled) for i in range(len(s))]
+    assert [ep.versions[i] for i in sampled] == [10] * len(s1) + [11] * len(s2) + [12] * len(s3)
+    assert all(ep.logprobs[i] == 0.0 and ep.versions[i] == -1 for i, m in enumerate(ep.loss_mask) if not m)
+    ep.validate(len(tok))
+
+
+def test_guess_not_found_within_max_turns(tok):
+    llm = ScriptLLM(tok, ["1", "2", "6", "5"])
+    ep = run(agent.guess, guess_task(), llm)
+    assert ep.reward == 0.0 and ep.info["turns"] == 3 and len(llm.prompts) == 3  # the 4th (right) guess never asked
+    assert tok.decode(ep.ids).count("higher") == 2 and "lower" not in tok.decode(ep.ids)  # no feedback after the last
+
+
+def test_guess_invalid_turn(tok):
+    llm = ScriptLLM(tok, ["hmm", "5"])
+    ep = run(agent.guess, guess_task(), llm)
+    assert ep.reward == 1.0 and ep.info == {"turns": 2, "invalid": 1}
+    assert llm.prompts[1][-len(turn_suffix(tok, "say a number")):] == turn_suffix(tok, "say a number")
+
+
+def test_cut_off_turn_gets_im_end_unsampled(tok):
+    llm = ScriptLLM(tok, ["2", "5"], close=False)  # engine hit max_new_tokens: no <|im_end|> sampled
+    ep = run(agent.guess, guess_task(), llm)
+    i = len(prompt_ids(tok, "Guess my number from 1 to 7.")) + len(llm.sampled[0])
+    assert ep.ids[i] == end_id(tok) and ep.loss_mask[i] == 0 and ep.versions[i] == -1
+    assert ep.ids[-1] == end_id(tok) and ep.loss_mask[-1] == 0
+    assert end_id(tok) not in [t for t, m in zip(ep.ids, ep.loss_mask) if m]
+    assert llm.prompts[1] == ep.ids[:len(llm.prompts[1])]
+
+
+# ---- routing ----
+def test_routing_latest_computation_wins(tok):
+    llm = ScriptLLM(tok, ["1", "5"], n_moe=3)
+    ep = run(agent.guess, guess_task(), llm)
+    T = len(ep.ids)
+    assert ep.routing.shape == (T, 3, 2) and ep.routing.dtype == torch.int16
+    n2 = len(llm.prompts[1]) + len(llm.sampled[1])  # rows the second call covered
+    assert ep.routing[: n2 - 1, 0, 0].tolist() == [(t + 1) % 4 for t in range(n2 - 1)]  # second call overwrote the first
+    assert (ep.routing[n2 - 1:] == -1).all()  # the last sampled token was never fed to the model
+
+
+def test_routing_keeps_old_rows_where_new_is_unknown():
+    ep = Episode()
+    ep.append([1, 2])
+    ep.append_completion(SimpleNamespace(ids=[3], logprobs=[-1.0], versions=[0], routing=torch.full((3, 1, 2), 7)))
+    ep.append([4])
+    assert ep.routing[:, 0, 0].tolist() == [7, 7, 7, -1]
+    new = torch.full((5, 1, 2), 9)
+    new[:2] = -1  # e.g. a prefix-cache hit: the engine did not recompute these
+    ep.append_completion(SimpleNamespace(ids=[5], logprobs=[-1.0], versions=[1], routing=new))
+    assert ep.routing[:, 0, 0].tolist() == [7, 7, 9, 9, 9]
+    with pytest.raises(ValueError, match="routing"):
+        ep.append_completion(SimpleNamespace(ids=[6], logprobs=[-1.0], versions=[1], routing=torch.zeros(3, 1, 2)))
+
+
+# ---- calc ----
+def calc_task(**kw):
+    return {"group": 0, "a": 3, "b": 4, "c": 5, "max_turns": 3, "tool_timeout": 5.0, "tool_memory_mb": 256, **kw}
+
+
+def test_calc_runs_tool_and_appends_observation(tok):
+    llm = ScriptLLM(tok, ["calc: 3*4+5", "so 17"])
+    ep = run(agent.calc, calc_task(), llm)
+    obs = turn_suffix(tok, "17", role="tool")
+    s1, s2 = llm.sampled
+    assert ep.ids[-len(s2) - len(obs) - len(s1):] == s1 + obs + s2
+    assert ep.loss_mask[-len(s2) - len(obs):-len(s2)] == [0] * len(obs)
+    assert ep.reward == 1.0 and ep.info == {"turns": 2, "tool_calls": 1, "tool_errors": 0}
+    assert run(agent.calc, calc_task(), ScriptLLM(tok, ["calc: 3*4+5", "18"])).reward == 0.0
+    assert run(agent.calc, calc_task(), ScriptLLM(tok, ["17"])).info["tool_calls"] == 0
+
+
+def test_calc_hanging_tool_is_an_error_not_a_hang(tok):
+    llm = ScriptLLM(tok, ["calc: __import__('time').sleep(100)", "17"])
+    t0 = time.time()
+    ep = run(agent.calc, calc_task(tool_timeout=1.0), llm)
+    assert time.time() - t0 < 20
+    assert ep.info["tool_errors"] == 1 and ep.reward == 1.0
+    assert "timed out" in tok.decode(llm.prompts[1][len(llm.prompts[0]) + len(llm.sampled[0]):])
+
+
+# ---- arith ----
+@pytest.mark.parametrize("answer,reward", [("7", 1.0), ("7 or 8", 1.0), ("8", 0.0), ("", 0.0), ("17", 0.0)])
+def test_arith_reward(tok, answer, reward):
+    ep = run(agent.arith, {"group": 0, "a": 3, "b": 4}, ScriptLLM(tok, [answer]))
+    assert ep.reward == reward and ep.ids[: len(prompt_ids(tok, "3+4="))] == prompt_ids(tok, "3+4=")
+
+
+# ---- loading agents and making tasks ----
+def test_load_agent(tmp_path, tok):
+    assert load_agent("guess") is agent.guess
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        load_agent(str(tmp_path / "nope.py"))
+    (tmp_path / "norun.py").write_text("def run(task, llm):\n    pass\n")  # not async
+    with pytest.raises(ValueError, match="norun.py"):
+        load_agent(str(tmp_path / "norun.py"))
+    (tmp_path / "mine.py").write_text("from agent import arith\nasync def run(task, llm):\n    return await arith(task, llm)\n")
+    ep = run(load_agent(str(tmp_path / "mine.py")), {"group": 0, "a": 1, "b": 1}, ScriptLLM(tok, ["2"]))
+    assert ep.reward == 1.0
+
+
+def test_make_task_deterministic_and_grouped():
+    knobs = dict(seed=3, group_size=4, guess_max=7, max_turns=5, tool_timeout=2.0, tool_memory_mb=64)
+    tasks = [make_task("guess", i, **knobs) for i in range(40)]
+    assert tasks == [make_task("guess", i, **knobs) for i in range(40)]
+    key = lambda t: (t["secret"], t["a"], t["b"], t["c"], t["seed"])  # noqa: E731
+    for g in range(10):
+        group = tasks[4 * g: 4 * g + 4]
+        assert {t["group"] for t in group} == {g} and len({key(t) for t in group}) == 1
+    assert len({key(t) for t in tasks}) > 5  # groups differ
+    assert {t["secret"] for t in tasks} <= set(range(1, 8))
+    assert tasks[0]["max_turns"] == 5 and tasks[0]["tool_timeout"] == 2.0 and tasks[0]["tool_memory_mb"] == 64
+    assert [key(make_task("guess", i, **{**knobs, "seed": 4})) for i in range(0, 40, 4)] != [key(t) for t in tasks[::4]]
+    with pytest.raises(ValueError, match="guess_max"):
+        make_task("guess", 0, seed=0, group_size=1, guess_max=12)
+
+
+# ---- Episode.validate ----
+def good_episode():
+    ep = Episode(group=1)
+    ep.append([1, 2, 3])
+    ep.append_completion(SimpleNamespace(ids=[4, 5], logprobs=[-0.1, -0.2], versions=[0, 0], routing=None))
+    return ep
+
+
+@pytest.mark.parametrize("break_it,match", [
+    (lambda e: e.ids.__setitem__(0, 50), "vocab"),
+    (lambda e: e.ids.__setitem__(0, -1), "vocab"),
+    (lambda e: e.logprobs.pop(), "lengths"),
+    (lambda e: e.loss_mask.append(0), "lengths"),
+    (lambda e: setattr(e, "reward", math.nan), "reward"),
+    (lambda e: setattr(e, "reward", math.inf), "reward"),
+    (lambda e: setattr(e, "loss_mask", [0] * 5), "no sampled"),
+    (lambda e: setattr(e, "routing", torch.zeros(4, 1, 2, dtype=torch.int16)), "routing"),
+    (lambda e: e.versions.__setitem__(4, -1), "version"),
+    (lambda e: e.logprobs.__setitem__(3, math.nan), "logprob"),
+    (lambda e: e.loss_mask.__setitem__(0, 2), "loss_mask"),
+])
+def test_validate_catches_malformed(break_it, match):
+    good_episode().validate(vocab_size=50)
+    ep = good_episode()
+    break_it(ep)
+    with pytest.raises(ValueError, match=match):
+        ep.validate(vocab_size=50)
+
+
+def test_completion_with_mismatched_lengths_is_rejected():
+    with pytest.raises(ValueError, match="lengths"):
+        Episode().append_completion(SimpleNamespace(ids=[1, 2], logprobs=[-0.1], versions=[0, 0], routing=None))
