@@ -107,9 +107,10 @@ def field_docs():
     return docs
 
 
-def _coerce(key, value, typ):
+def _coerce(key, value, typ, cli=False):
+    """A config file's Python value, or (cli=True) a command-line string, as typ; a file's "10" is no int."""
     if typ is bool:
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+        if cli and value.lower() in ("1", "true", "yes", "0", "false", "no"):
             return value.lower() in ("1", "true", "yes")
         if isinstance(value, bool):
             return value
@@ -117,10 +118,10 @@ def _coerce(key, value, typ):
         return float(value)
     elif typ is str and isinstance(value, str):
         return value
-    elif isinstance(value, str):  # from the command line
+    elif cli:  # "12" -> 12, "3e-4" -> 0.0003
         try:
             return _coerce(key, ast.literal_eval(value), typ)
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, TypeError):
             pass
     elif isinstance(value, typ) and not isinstance(value, bool):
         return value
@@ -141,6 +142,8 @@ def load(argv=None):
     i = 0
     while i < len(argv):
         arg = argv[i]
+        if arg == "--config" and i + 1 == len(argv):
+            raise ValueError("config: --config needs a path (--config configs/x.py)")
         if arg == "--config" or arg.startswith("--config="):
             path = arg.split("=", 1)[1] if "=" in arg else argv[(i := i + 1)]
             scope = {}
@@ -163,7 +166,7 @@ def load(argv=None):
             raise ValueError(f"config: unexpected argument {arg!r} (use --key=value)")
         i += 1
     for k, v in overrides:  # the command line wins over the file
-        values[k] = _coerce(k, v, types_[k])
+        values[k] = _coerce(k, v, types_[k], cli=True)
     return Config(**values)
 
 

@@ -78,7 +78,7 @@ class TorchEngine:
         self.max_new, self.stop_ids, self.seed, self.max_len = max_new_tokens, set(stop_ids), seed, max_len
         self.shared_version, self.lock = version, lock  # set by the trainer when weights are shared
         self.version = version.value if version is not None else 0
-        self.generator = torch.Generator(device=p.device).manual_seed(seed)
+        self.generator = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + self.version)
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
         self.wake = asyncio.Event()
         self.tokens_generated, self.busy_s = 0, 0.0

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -32,7 +33,7 @@ import agent
 import config
 import estimators as est
 import rollout
-from model_moe import ModelConfig, Transformer
+from model_moe import ModelConfig, Transformer, save_pretrained
 
 
 # ---- distributed: the same script runs under python and torchrun ----
@@ -123,6 +124,7 @@ def train_step(model, opt, share, cfg, version, world):
     sums = dict.fromkeys(["loss", "tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "clip", "corr", "entropy"], 0.0)
     stale_max, stale_hist = 0, [0] * (cfg.max_staleness + 1)
     msgs, adv = share["msgs"], share["advantages"]
+    opt.zero_grad(set_to_none=True)  # (gradients stay readable after the step, for tests and debugging)
     for i in range(0, max(len(msgs), 1), cfg.micro_batch):
         mb = msgs[i:i + cfg.micro_batch]
         if not mb:  # a rank with no episodes still joins the collectives of FSDP
@@ -173,7 +175,6 @@ def train_step(model, opt, share, cfg, version, world):
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     if math.isfinite(grad_norm):  # every rank sees the same reduced norm, so all skip together
         opt.step()
-    opt.zero_grad(set_to_none=True)
     return sums, stale_max, stale_hist, grad_norm
 
 
@@ -200,13 +201,14 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, world):
     if rank == 0:
         final, tmp = os.path.join(cfg.out_dir, "ckpt"), os.path.join(cfg.out_dir, f"ckpt.tmp-{state['step']}")
         shutil.rmtree(tmp, ignore_errors=True)
-        model_cfg = model.config
-        from model_moe import save_pretrained
-        save_pretrained(tmp, model_cfg, full)
-        for f in os.listdir(tokenizer_dir):  # the tokenizer travels with the weights
-            if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-                shutil.copy(os.path.join(tokenizer_dir, f), tmp)
-        torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state}, os.path.join(tmp, "trainer.pt"))
+        try:
+            save_pretrained(tmp, model.config, full)
+            for f in os.listdir(tokenizer_dir):  # the tokenizer travels with the weights
+                if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+                    shutil.copy(os.path.join(tokenizer_dir, f), tmp)
+            torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state}, os.path.join(tmp, "trainer.pt"))
+        except OSError as e:
+            raise RuntimeError(f"checkpoint write failed at step {state['step']} ({e}); {final} is left as it was") from e
         # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -291,8 +293,13 @@ def take_batch(cfg, ro, version, counters):
     return sorted(msgs, key=lambda m: m["index"]), time.perf_counter() - t0
 
 
+STOP = {"signal": None}  # set by SIGTERM / Ctrl-C; the loop checkpoints and exits at the next step
+
+
 def main(argv=None):
     cfg = config.load(argv)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name))
     rank, world, device = compute_init()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)) if device.type == "cpu" else 8)
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -319,8 +326,23 @@ def main(argv=None):
             # ---- 1. a batch from the rollout queue; rank 0 sends every rank its share ----
             shares = [None] * world
             wait = 0.0
+            stop = STOP["signal"]
+            if rank == 0 and stop is None:
+                try:
+                    msgs, wait = take_batch(cfg, ro, step, counters)
+                except RuntimeError as e:  # the rollout process died: every rank stops, with a checkpoint
+                    stop = f"error: {e}"
+            if world > 1:  # one decision for all ranks (a signal may reach them at different times)
+                flag = [stop]
+                dist.broadcast_object_list(flag, src=0)
+                stop = flag[0]
+            if stop is not None:
+                save_checkpoint(cfg, model, opt, {"step": step, "data_position": data_position}, tokenizer_dir, rank, world)
+                if stop.startswith("error"):
+                    raise RuntimeError(f"{stop}; checkpoint of step {step} written to {cfg.out_dir}/ckpt")
+                print(f"{stop}: checkpoint of step {step} written to {cfg.out_dir}/ckpt; exiting", flush=True)
+                break
             if rank == 0:
-                msgs, wait = take_batch(cfg, ro, step, counters)
                 rewards = torch.tensor([m["reward"] for m in msgs])
                 adv = est.ADVANTAGES[cfg.advantage](rewards=rewards, group_ids=torch.tensor([m["group"] for m in msgs]))
                 n_tok = sum(float(m["tokens"][1].sum()) for m in msgs)

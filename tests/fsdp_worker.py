@@ -1,0 +1,60 @@
+"""Run by tests/test_train.py under torchrun (2 gloo ranks) and in one process: one train_step on a fixed
+batch; rank 0 saves the full gradients and updated weights for the test to compare."""
+import sys
+
+import torch
+import torch.distributed as dist
+
+import config
+import train
+from model_moe import ModelConfig, Transformer
+
+
+def make_msgs(model, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    msgs = []
+    for i in range(n):
+        T = int(torch.randint(6, 14, (1,), generator=g))
+        ids = torch.randint(0, model.config.vocab_size, (T,), generator=g)
+        mask = (torch.rand(T, generator=g) < 0.6).long()
+        mask[0], mask[-1] = 0, 1
+        with torch.no_grad():
+            _, routing = model(ids[None], return_routing=True)  # (L, 1, T, k)
+        msgs.append({"tokens": torch.stack([ids, mask, torch.where(mask == 1, 0, -1)]),
+                     "logprobs": -torch.rand(T, generator=g) * mask, "routing": routing[:, 0].transpose(0, 1).short(),
+                     "engine_ids": ids[mask == 1], "reward": float(i % 3), "group": i // 3, "index": i, "info": {}})
+    return msgs
+
+
+def main(out):
+    rank, world, device = train.compute_init()
+    cfg = config.load(["--micro_batch=2", "--grad_clip=0.5", "--max_staleness=0"])
+    c = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    model = Transformer(c).init_weights(0, std=0.2)
+    msgs = make_msgs(model, 7, 1)
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+        for block in model.model.layers:
+            fully_shard(block)
+        fully_shard(model)
+    # SGD: the update is linear in the gradient, so equal gradients must give equal weights (Adam's first
+    # step, g / (|g| + eps), would turn 1e-9 rounding differences of near-zero gradients into lr-sized ones)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    import estimators
+    adv = estimators.grpo(rewards=torch.tensor([m["reward"] for m in msgs]), group_ids=torch.tensor([m["group"] for m in msgs]))
+    share = {"msgs": msgs[rank::world], "advantages": adv[rank::world].tolist(),
+             "num_tokens": float(sum(m["tokens"][1].sum() for m in msgs)), "num_seqs": float(len(msgs))}
+    train.train_step(model, opt, share, cfg, 0, world)
+    grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for k, p in model.named_parameters()}
+    weights = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for k, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"grads": grads, "weights": weights}, out)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

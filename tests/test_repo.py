@@ -1,0 +1,39 @@
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_python_a_researcher_reads_is_under_3000_lines():
+    counts = {}
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        rel = Path(dirpath).relative_to(ROOT)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("out", "__pycache__")
+                       and not (rel == Path(".") and d == "tests")]
+        for name in filenames:
+            if name.endswith(".py") and not (rel == Path(".") and name == "bench.py"):
+                counts[str(rel / name)] = len((Path(dirpath) / name).read_text().splitlines())
+    assert "train.py" in counts and "config.py" in counts  # the walk sees the repo
+    assert sum(counts.values()) < 3000, "\n".join(f"{n:5d} {p}" for p, n in sorted(counts.items())) + \
+        f"\n{sum(counts.values()):5d} total"
+
+
+def test_readme_commands_are_what_ci_runs():
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    lines = blocks[0].strip("\n").split("\n")
+    assert len(lines) == 2 and all(line.strip() for line in lines), lines
+    assert all(line.startswith("pip install -r requirements.txt") for line in lines), lines
+    ci = (ROOT / ".ci" / "run").read_text()
+    extract = re.search(r"^cmd=\$\((.*)\)$", ci, re.M).group(1)  # run CI's own extraction
+    out = subprocess.run(["bash", "-c", extract], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip("\n") == lines[1]
+    assert 'bash -c "$cmd"' in ci
+    assert "pytest" in lines[1]
+
+
+def test_torch_is_pinned_exactly():
+    reqs = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
+    assert "torch==2.13.0" in reqs
+    assert not any(r.startswith("torch") and r != "torch==2.13.0" for r in reqs)

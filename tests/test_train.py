@@ -1,0 +1,140 @@
+"""The loop end to end: FSDP equivalence, consistency checks every step, resume, faults."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+
+
+def test_fsdp_two_ranks_equal_one_process(tmp_path):
+    worker = os.path.join(ROOT, "tests", "fsdp_worker.py")
+    subprocess.run([sys.executable, worker, str(tmp_path / "one.pt")], check=True, env=ENV, cwd=ROOT, timeout=300)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
+                    str(tmp_path / "two.pt")], check=True, env=ENV, cwd=ROOT, timeout=300)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for kind in ("grads", "weights"):
+        assert one[kind].keys() == two[kind].keys()
+        for k in one[kind]:
+            assert (one[kind][k] - two[kind][k]).abs().max() <= 1e-5, (kind, k)
+    assert any(g.abs().max() > 0 for g in one["grads"].values())
+
+
+def run_train(out, *args, timeout=600):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           f"--out_dir={out}", "--prompts_per_step=4", "--ckpt_every=0", "--dump_every=2", *args]
+    return subprocess.run(cmd, env=ENV, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+
+
+def metrics(out):
+    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_on_policy_run_is_consistent_and_resumes_exactly(tmp_path):
+    full = run_train(tmp_path / "a", "--max_staleness=0", "--max_steps=6")
+    assert full.returncode == 0, full.stderr[-3000:]
+    ma = metrics(tmp_path / "a")
+    assert [m["step"] for m in ma] == list(range(1, 7))
+    for m in ma:  # strictly on-policy: every token sampled by the weights it trains, mismatch ~0
+        assert m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] > 0
+        assert m["mismatch/logprob_abs_diff"] < 1e-5 and abs(m["mismatch/kl"]) < 1e-5
+        for key in ("policy_version", "reward/mean", "time/step", "time/wait_rollout", "time/weight_sync",
+                    "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s", "staleness/mean"):
+            assert key in m
+    # stop after 3 steps, resume to 6: the same metrics as the uninterrupted run
+    first = run_train(tmp_path / "b", "--max_staleness=0", "--max_steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_train(tmp_path / "b", "--max_staleness=0", "--max_steps=6", "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    mb = metrics(tmp_path / "b")
+    assert [m["step"] for m in mb] == list(range(1, 7))
+    for x, y in zip(ma, mb):
+        assert x["reward/mean"] == y["reward/mean"] and x["tokens/trained"] == y["tokens/trained"]
+        assert abs(x["loss/policy"] - y["loss/policy"]) < 1e-6
+    # the checkpoint is a Hugging Face directory transformers loads
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b" / "ckpt"))
+    assert hf.config.num_experts == 8
+    ep = json.loads(open(tmp_path / "a" / "episodes.jsonl").readline())
+    assert "Guess my number" in ep["text"] and any(k == 1 for _, k in ep["tokens"])
+
+
+def test_async_run_bounds_staleness_and_matches_current_tokens(tmp_path):
+    r = run_train(tmp_path, "--max_staleness=1", "--max_steps=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ms = metrics(tmp_path)
+    assert all(m["staleness/max"] <= 1 for m in ms)
+    assert any(m["staleness/max"] == 1 for m in ms)  # it did run ahead of the trainer
+    fresh = [m for m in ms if m["mismatch/tokens"]]
+    assert fresh and all(m["mismatch/logprob_abs_diff"] < 1e-5 for m in fresh)
+
+
+@pytest.mark.slow
+def test_short_run_reward_rises(tmp_path):
+    r = run_train(tmp_path, "--max_staleness=0", "--prompts_per_step=8", "--max_steps=40")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rewards = [m["reward/mean"] for m in metrics(tmp_path)]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1, rewards
+
+
+DIE_AGENT = """
+import os
+from agent import guess
+
+async def run(task, llm):
+    if task["index"] == {n}:  # the whole rollout process dies mid-run
+        os._exit(3)
+    return await guess(task, llm)
+"""
+
+
+def test_dead_rollout_process_is_a_clear_error_with_a_checkpoint(tmp_path):
+    (tmp_path / "die.py").write_text(DIE_AGENT.replace("{n}", "80"))
+    r = run_train(tmp_path / "run", f"--task={tmp_path / 'die.py'}", "--max_steps=50", "--max_staleness=0")
+    assert r.returncode != 0 and "rollout process died (exit code 3)" in r.stderr
+    state = torch.load(tmp_path / "run" / "ckpt" / "trainer.pt", weights_only=False)
+    assert state["step"] == 2  # 32 episodes a step; episode 80 is in step 3's batch
+
+
+def test_failing_checkpoint_write_keeps_the_last_one(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "ckpt.tmp-4").write_text("in the way")  # the step-4 write cannot create its directory
+    r = run_train(out, "--max_steps=6", "--ckpt_every=2")
+    assert r.returncode != 0 and "checkpoint write failed at step 4" in r.stderr
+    state = torch.load(out / "ckpt" / "trainer.pt", weights_only=False)
+    assert state["step"] == 2
+    from model_moe import Transformer
+    Transformer.from_pretrained(str(out / "ckpt"))  # complete and loadable
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
+    import estimators
+    import train
+    monkeypatch.setitem(estimators.ADVANTAGES, "grpo", lambda *, rewards, group_ids: rewards * float("nan"))
+    with pytest.raises(RuntimeError, match="2 non-finite gradient norms in a row"):
+        train.main(["--config", os.path.join(ROOT, "configs", "guess.py"), f"--out_dir={tmp_path}",
+                    "--prompts_per_step=2", "--max_steps=5", "--max_bad_steps=2", "--max_staleness=0"])
+    ms = metrics(tmp_path)
+    assert len(ms) == 1 and ms[0]["train/skipped_steps"] == 1
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+    import signal
+    import time
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           f"--out_dir={tmp_path}", "--prompts_per_step=2", "--max_steps=100000", "--ckpt_every=0"]
+    p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists() or len(metrics(tmp_path)) < 2:
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert "SIGTERM: checkpoint of step" in out
+    state = torch.load(tmp_path / "ckpt" / "trainer.pt", weights_only=False)
+    assert state["step"] == len(metrics(tmp_path)) >= 2
