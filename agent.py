@@ -24,7 +24,9 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"
 # ChatML as in Qwen's template, minus tools and thinking: the conversations here are plain turns.
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-GUESS_PROMPT, GUESS_FEEDBACK = "Guess my number from 1 to {}.", ["higher", "lower", "correct", "say a number"]
+# Feedback repeats the guess ("4 is too low"): the last message then holds all a simple strategy needs,
+# which is what lets a tiny model learn the game from scratch in minutes.
+GUESS_PROMPT, GUESS_FEEDBACK = "Guess my number from 1 to {}.", ["{} is too low", "{} is too high", "correct", "say a number"]
 CALC_PROMPT = "What is {}*{}+{}? You may write `calc: <python expression>`."
 
 
@@ -32,7 +34,7 @@ def _corpus(rng: random.Random):
     """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else."""
     for _ in range(2000):
         a, b, c, n = (rng.randint(1, 9) for _ in range(4))
-        yield from ["user\nassistant\ntool\nsystem\n", GUESS_PROMPT.format(n), *GUESS_FEEDBACK, f"I guess {a}.",
+        yield from ["user\nassistant\ntool\nsystem\n", GUESS_PROMPT.format(n), *(f.format(a) for f in GUESS_FEEDBACK), f"I guess {a}.",
                     CALC_PROMPT.format(a, b, c), f"calc: {a}*{b}+{c}", f"The answer is {a * b + c}.", f"{a}+{b}=",
                     "error: exit code 1\nTraceback (most recent call last):\n  File \"main.py\"", "error: timed out",
                     "NameError: name 'x' is not defined", "SyntaxError: invalid syntax", "ZeroDivisionError"]
@@ -243,7 +245,7 @@ def _ints(text: str) -> list[int]:
 
 
 async def guess(task: dict, llm) -> Episode:
-    """Find a secret in 1..guess_max from higher/lower feedback within max_turns model turns."""
+    """Find a secret in 1..guess_max from too-low / too-high feedback within max_turns model turns."""
     ep, tok, secret = Episode(group=task["group"]), llm.tokenizer, task["secret"]
     ep.append(prompt_ids(tok, GUESS_PROMPT.format(task["guess_max"])))
     invalid = 0
@@ -253,7 +255,7 @@ async def guess(task: dict, llm) -> Episode:
             invalid, feedback = invalid + 1, "say a number"
         else:
             g = int(digit.group())
-            feedback = "correct" if g == secret else "higher" if g < secret else "lower"
+            feedback = "correct" if g == secret else GUESS_FEEDBACK[g > secret].format(g)
         if feedback == "correct" or turn == task["max_turns"]:
             break  # no feedback after the last turn: it would be tokens nothing learns from
         ep.append(turn_suffix(tok, feedback))

@@ -27,7 +27,7 @@ class Config:
     tiny_experts: int = 8  # tiny model: experts per MoE layer (0 = dense)
     tiny_top_k: int = 2  # tiny model: experts per token
     # ---- generation ----
-    engine: str = "torch"  # torch (embedded, CPU or GPU), vllm or sglang (server processes)
+    engine: str = "torch"  # torch: the embedded engine (CPU or GPU)
     engine_slots: int = 64  # rows decoded together by the torch engine (continuous batching)
     engine_max_len: int = 256  # longest conversation (tokens) the torch engine holds per slot
     max_new_tokens: int = 8  # per model turn
@@ -72,7 +72,7 @@ class Config:
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
         checks = [
-            ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
+            ("engine", self.engine == "torch", "must be torch (the vllm and sglang server engines are not built yet)"),
             ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),

@@ -70,13 +70,13 @@ class TorchEngine:
     rows) and one decode (all rows). A finished row's slot is refilled at the next step."""
 
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
-                 max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None):
+                 max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None):
         self.model, self.c = model.eval(), model.config
         p = next(model.parameters())
         self.cache = KVCache(self.c, slots, max_len, dtype=p.dtype, device=p.device)
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.max_new, self.stop_ids, self.seed, self.max_len = max_new_tokens, set(stop_ids), seed, max_len
-        self.shared_version, self.lock = version, lock  # set by the trainer when weights are shared
+        self.shared_version, self.lock, self.source = version, lock, source  # weights shared with the trainer
         self.version = version.value if version is not None else 0
         self.generator = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + self.version)
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
@@ -136,7 +136,9 @@ class TorchEngine:
         lock = self.lock if self.lock is not None else _NoLock()
         with lock:  # the trainer cannot swap weights in the middle of a forward
             if self.shared_version is not None and self.shared_version.value != self.version:
-                self._new_version(self.shared_version.value)  # the weights themselves are shared tensors
+                if self.source is not None:
+                    self.model.load_state_dict(self.source, strict=False)
+                self._new_version(self.shared_version.value)
             new = []
             while self.waiting and self.free:
                 r = self.waiting.popleft()
@@ -248,14 +250,20 @@ def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_i
 async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    model.load_state_dict(weights, assign=True, strict=True)  # parameters ARE the shared tensors
+    if torch.cuda.is_available():  # a copy on the GPU, refreshed from the shared tensors at each new version
+        model, source = Transformer(model_cfg).cuda(), weights
+        model.load_state_dict(weights)
+    else:  # on CPU the parameters ARE the shared tensors: nothing to copy
+        with torch.device("meta"):
+            model = Transformer(model_cfg)
+        model.load_state_dict(weights, assign=True, strict=True)
+        source = None
     if model_cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     engine = TorchEngine(model, slots=cfg.engine_slots, max_len=cfg.engine_max_len, temperature=cfg.temperature,
                          top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                         stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], seed=cfg.seed, version=version, lock=lock)
+                         stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], seed=cfg.seed, version=version, lock=lock,
+                         source=source)
     loop_task = asyncio.create_task(engine.run())
     await produce(cfg, engine, tok, out_q, dropped, start_index, model_cfg.vocab_size)
     loop_task.cancel()

@@ -128,3 +128,115 @@ def test_weight_swap_mid_generation():
             logp = torch.log_softmax(full_logits(model, p + c.ids), -1)
             for j in range(lo, hi):
                 assert abs(logp[len(p) - 1 + j, c.ids[j]].item() - c.logprobs[j]) <= 1e-5
+
+
+# ---- agents against the real engine: token identity and failures ----
+
+import queue
+
+import agent
+import config
+from rollout import Malformed, Policy, check_tokens, produce
+
+
+class Counter:  # stands in for the shared mp.Value the trainer bumps
+    value = 0
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+    path = tmp_path_factory.mktemp("tok")
+    agent.make_tokenizer(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def engine_for(tok, seed=0):
+    c = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=16)
+    return TorchEngine(Transformer(c).init_weights(seed, std=0.3), slots=16, max_len=256, temperature=1.0,
+                       max_new_tokens=6, stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], seed=seed)
+
+
+def collect(cfg, engine, tok, n):
+    """Run the rollout's producer until n episodes arrive; returns (messages, last stats)."""
+    out = queue.Queue()
+
+    async def main():
+        loop_task = asyncio.create_task(engine.run())
+        prod = asyncio.create_task(produce(cfg, engine, tok, out, Counter(), 0, len(tok)))
+        msgs = []
+        while len(msgs) < n:
+            await asyncio.sleep(0.01)
+            while not out.empty():
+                msgs.append(out.get())
+        prod.cancel()
+        loop_task.cancel()
+        return msgs
+    return asyncio.run(main())
+
+
+def test_episode_holds_exactly_the_sampled_ids(tok):
+    """Multi-turn guess episodes from the real engine: the trained ids are the engine's ids, although
+    decoding and re-encoding the sampled text would give other ids (the BPE merges them differently)."""
+    cfg = config.load(["--group_size=2", "--prompts_per_step=4", "--max_turns=3", "--max_staleness=0"])
+    engine = engine_for(tok)
+    msgs = collect(cfg, engine, tok, 8)
+    changed = 0
+    for m in msgs:
+        ids, mask = m["tokens"][0], m["tokens"][1].bool()
+        assert torch.equal(ids[mask], m["engine_ids"])
+        sampled_runs = [ids[s:e].tolist() for s, e in runs(mask)]
+        for r in sampled_runs:
+            text = tok.decode(r)
+            changed += tok.encode(text, add_special_tokens=False) != r
+    assert changed > 0, "no sampled run re-tokenizes differently: the test would not catch re-tokenization"
+
+
+def runs(mask):
+    out, start = [], None
+    for i, m in enumerate(mask.tolist() + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_check_tokens_rejects_an_episode_that_differs_from_the_engine(tok):
+    engine = engine_for(tok, 1)
+
+    async def main():
+        loop_task = asyncio.create_task(engine.run())
+        llm = Policy(engine, tok)
+        ep = agent.Episode()
+        ep.append(agent.prompt_ids(tok, "hi"))
+        await agent.model_turn(llm, ep)
+        loop_task.cancel()
+        return ep, llm.calls
+    ep, calls = asyncio.run(main())
+    check_tokens(ep, calls)  # as produced: fine
+    i = ep.loss_mask.index(1)
+    ep.ids[i] = (ep.ids[i] + 1) % len(tok)  # one sampled id changed (e.g. by re-tokenization)
+    with pytest.raises(ValueError, match="token mismatch"):
+        check_tokens(ep, calls)
+
+
+RAISING_AGENT = """
+from agent import arith
+
+async def run(task, llm):
+    if task["index"] % 3 == 1:
+        raise RuntimeError("agent bug")
+    return await arith(task, llm)
+"""
+
+
+def test_agent_that_raises_is_counted_and_dropped(tok, tmp_path):
+    (tmp_path / "bad.py").write_text(RAISING_AGENT)
+    cfg = config.load([f"--task={tmp_path / 'bad.py'}", "--group_size=2", "--prompts_per_step=4", "--max_staleness=0"])
+    msgs = collect(cfg, engine_for(tok, 2), tok, 5)
+    assert all(m["index"] % 3 != 1 for m in msgs)
+    assert msgs[-1]["stats"]["agent_errors"] >= 2  # episodes 1 and 4 failed before 5 good ones arrived
