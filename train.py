@@ -59,10 +59,11 @@ def full_state(model, world):
 
 # ---- the policy ----
 
-def build_model(cfg, rank, world, device):
-    """-> (model, tokenizer_dir). "tiny": a small MoE and tokenizer made here from scratch, no download."""
+def build_model(cfg, rank, world, device, reference=False):
+    """-> (model, tokenizer_dir). "tiny": a small MoE and tokenizer made here from scratch, no download.
+    reference: the initial weights (for the KL term), even when resuming."""
     ckpt = os.path.join(cfg.out_dir, "ckpt")
-    if cfg.resume and os.path.isdir(ckpt):
+    if cfg.resume and os.path.isdir(ckpt) and not reference:
         path = ckpt
     elif cfg.model == "tiny":
         path = os.path.join(cfg.out_dir, "tiny-init")
@@ -116,12 +117,12 @@ def collate(msgs, device):
     return {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
 
 
-def train_step(model, opt, share, cfg, version, world):
+def train_step(model, opt, share, cfg, version, world, ref=None):
     """Forward/backward over this rank's share of the batch, then one optimizer step.
     share: {"msgs", "advantages" (per msg), "num_tokens", "num_seqs"} with step-wide token/sequence counts.
     Returns summed metrics of this rank (reduced across ranks by the caller)."""
     device = next(model.parameters()).device
-    sums = dict.fromkeys(["loss", "tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "clip", "corr", "entropy"], 0.0)
+    sums = dict.fromkeys(["loss", "tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "clip", "corr", "entropy", "kl"], 0.0)
     stale_max, stale_hist = 0, [0] * (cfg.max_staleness + 1)
     msgs, adv = share["msgs"], share["advantages"]
     opt.zero_grad(set_to_none=True)  # (gradients stay readable after the step, for tests and debugging)
@@ -149,6 +150,13 @@ def train_step(model, opt, share, cfg, version, world):
         ent = est.entropy(logits=logits.detach() if not cfg.entropy_coef else logits)  # (B, T-1)
         if cfg.entropy_coef:
             per_tok = per_tok - cfg.entropy_coef * ent
+        if ref is not None:  # KL to the frozen initial policy, on the sampled tokens
+            with torch.no_grad():
+                ref_logits = ref(ids, routing=b["routing"])[:, :-1].float() / cfg.temperature
+                ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+            kl = est.KL[cfg.kl_estimator](logp=logp, ref_logp=ref_logp)  # (B, T-1)
+            per_tok = per_tok + cfg.kl_coef * kl
+            sums["kl"] += (kl.detach() * mask).sum().item()
         loss = est.AGGREGATIONS[cfg.aggregation](per_token=per_tok, loss_mask=mask, num_tokens=share["num_tokens"],
                                                  num_seqs=share["num_seqs"], norm_const=cfg.max_new_tokens * cfg.max_turns)
         # FSDP averages gradients over ranks; the aggregation already divides by the step-wide counts
@@ -306,6 +314,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed + rank)
     model, path = build_model(cfg, rank, world, device)
     tokenizer_dir = path
+    ref = build_model(cfg, rank, world, device, reference=True)[0].requires_grad_(False) if cfg.kl_coef else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     state = load_trainer_state(cfg, model, opt, world)
     step, data_position = state["step"], state["data_position"]
@@ -356,7 +365,7 @@ def main(argv=None):
                 share = shares[0]
             # ---- 2-4. recompute, loss, backward, step ----
             t_train = time.perf_counter()
-            sums, smax, shist, gnorm = train_step(model, opt, share, cfg, step, world)
+            sums, smax, shist, gnorm = train_step(model, opt, share, cfg, step, world, ref)
             sums, smax, shist = reduce_metrics(sums, smax, shist, world)
             if not math.isfinite(gnorm):  # the step was skipped; too many in a row ends the run
                 counters["bad_steps"] += 1
@@ -375,7 +384,7 @@ def main(argv=None):
             t_sync = time.perf_counter() - t_sync
             # ---- log ----
             if rank == 0:
-                stats = msgs[-1]["stats"]
+                stats = max((m["stats"] for m in msgs), key=lambda st: st["tokens_generated"])  # the latest
                 now = time.perf_counter()
                 gen = stats["tokens_generated"] - (last_stats["tokens_generated"] if last_stats else 0)
                 data_position = max(data_position, max(m["index"] for m in msgs) + 1)
@@ -391,6 +400,7 @@ def main(argv=None):
                     "loss/clip_frac": sums["clip"] / max(sums["tokens"], 1),
                     "loss/correction_frac": sums["corr"] / max(sums["tokens"], 1),
                     "loss/entropy": sums["entropy"] / max(sums["tokens"], 1), "grad/norm": gnorm,
+                    "loss/kl_ref": sums["kl"] / max(sums["tokens"], 1),
                     "train/skipped_steps": counters["skipped_steps"],
                     "time/step": now - t_step, "time/wait_rollout": wait, "time/train": t_train, "time/weight_sync": t_sync,
                     "throughput/rollout_tokens_per_s": gen / max(now - last_t, 1e-9),

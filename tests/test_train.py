@@ -64,9 +64,10 @@ def test_on_policy_run_is_consistent_and_resumes_exactly(tmp_path):
 
 
 def test_async_run_bounds_staleness_and_matches_current_tokens(tmp_path):
-    r = run_train(tmp_path, "--max_staleness=1", "--max_steps=8")
+    r = run_train(tmp_path, "--max_staleness=1", "--max_steps=8", "--kl_coef=0.05")
     assert r.returncode == 0, r.stderr[-3000:]
     ms = metrics(tmp_path)
+    assert ms[0]["loss/kl_ref"] < 1e-6 < ms[-1]["loss/kl_ref"]  # the reference is the initial policy
     assert all(m["staleness/max"] <= 1 for m in ms)
     assert any(m["staleness/max"] == 1 for m in ms)  # it did run ahead of the trainer
     fresh = [m for m in ms if m["mismatch/tokens"]]
