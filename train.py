@@ -59,30 +59,52 @@ def full_state(model, world):
 
 # ---- the policy ----
 
+def latest_checkpoint(cfg):
+    """<out_dir>/ckpt, or ckpt.old if a crash (even kill -9) came between the two renames of a save."""
+    for name in ("ckpt", "ckpt.old"):
+        if os.path.isfile(os.path.join(cfg.out_dir, name, "trainer.pt")):
+            return os.path.join(cfg.out_dir, name)
+    return None
+
+
+def same_architecture(a_dir, b_dir, expected=None):
+    """Refuse to continue from weights of another architecture or vocabulary, naming the difference."""
+    def load(d):
+        with open(os.path.join(d, "config.json")) as f:
+            return ModelConfig.from_hf(json.load(f), d).__dict__
+    a, b = load(a_dir), expected.__dict__ if expected else load(b_dir)
+    diff = [f"{k}: {a[k]} vs {b[k]}" for k in a if k != "max_position_embeddings" and a[k] != b[k]]
+    if diff:
+        raise ValueError(f"{a_dir} does not match {b_dir}: {'; '.join(diff)} (use another out_dir)")
+
+
 def build_model(cfg, rank, world, device, reference=False):
     """-> (model, tokenizer_dir). "tiny": a small MoE and tokenizer made here from scratch, no download.
     reference: the initial weights (for the KL term), even when resuming."""
-    ckpt = os.path.join(cfg.out_dir, "ckpt")
-    if cfg.resume and os.path.isdir(ckpt) and not reference:
-        path = ckpt
-    elif cfg.model == "tiny":
+    path = cfg.model
+    if cfg.model == "tiny":
         path = os.path.join(cfg.out_dir, "tiny-init")
         if rank == 0 and not os.path.isdir(path):
-            tmp = path + ".tmp"
-            agent.make_tokenizer(tmp)
-            from transformers import AutoTokenizer
-            c = ModelConfig(vocab_size=len(AutoTokenizer.from_pretrained(tmp)), hidden_size=cfg.tiny_hidden,
-                            intermediate_size=2 * cfg.tiny_hidden, num_hidden_layers=cfg.tiny_layers,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=cfg.tiny_hidden // 4,
-                            num_experts=cfg.tiny_experts, num_experts_per_tok=cfg.tiny_top_k,
-                            moe_intermediate_size=cfg.tiny_hidden, max_position_embeddings=cfg.engine_max_len)
+            agent.make_tokenizer(path + ".tmp")
+        from transformers import AutoTokenizer
+        vocab = len(AutoTokenizer.from_pretrained(path if os.path.isdir(path) else path + ".tmp")) if rank == 0 else 0
+        c = ModelConfig(vocab_size=vocab, hidden_size=cfg.tiny_hidden,
+                        intermediate_size=2 * cfg.tiny_hidden, num_hidden_layers=cfg.tiny_layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=cfg.tiny_hidden // 4,
+                        num_experts=cfg.tiny_experts, num_experts_per_tok=cfg.tiny_top_k,
+                        moe_intermediate_size=cfg.tiny_hidden, max_position_embeddings=cfg.engine_max_len)
+        if rank == 0 and not os.path.isdir(path):
             torch.manual_seed(cfg.seed)
-            Transformer(c).init_weights(cfg.seed).save_pretrained(tmp)
-            os.replace(tmp, path)
+            Transformer(c).init_weights(cfg.seed).save_pretrained(path + ".tmp")
+            os.replace(path + ".tmp", path)
+        elif rank == 0:  # made by an earlier run in this out_dir: it must be the model asked for now
+            same_architecture(path, "the tiny_* settings", expected=c)
         if world > 1:
             dist.barrier()
-    else:
-        path = cfg.model
+    ckpt = latest_checkpoint(cfg) if cfg.resume and not reference else None
+    if ckpt:
+        same_architecture(ckpt, path)
+        path = ckpt
     model = Transformer.from_pretrained(path, dtype=getattr(torch, cfg.dtype), device=device)
     if world > 1:  # FSDP2: one unit per block, the root holds embeddings, final norm and lm_head
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -229,10 +251,10 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, world):
 
 
 def load_trainer_state(cfg, model, opt, world):
-    path = os.path.join(cfg.out_dir, "ckpt", "trainer.pt")
-    if not (cfg.resume and os.path.isfile(path)):
+    ckpt = latest_checkpoint(cfg) if cfg.resume else None
+    if ckpt is None:
         return {"step": 0, "data_position": 0}
-    state = torch.load(path, weights_only=False)
+    state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
     if world > 1:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))

@@ -76,7 +76,7 @@ def test_async_run_bounds_staleness_and_matches_current_tokens(tmp_path):
 
 @pytest.mark.slow
 def test_short_run_reward_rises(tmp_path):
-    r = run_train(tmp_path, "--max_staleness=0", "--prompts_per_step=8", "--max_steps=40")
+    r = run_train(tmp_path, "--max_staleness=0", "--prompts_per_step=8", "--max_steps=60")
     assert r.returncode == 0, r.stderr[-3000:]
     rewards = [m["reward/mean"] for m in metrics(tmp_path)]
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1, rewards
@@ -139,3 +139,19 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
     assert "SIGTERM: checkpoint of step" in out
     state = torch.load(tmp_path / "ckpt" / "trainer.pt", weights_only=False)
     assert state["step"] == len(metrics(tmp_path)) >= 2
+
+
+def test_resume_survives_a_kill_between_the_renames_and_refuses_another_architecture(tmp_path):
+    r = run_train(tmp_path, "--max_steps=2", "--max_staleness=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    os.replace(tmp_path / "ckpt", tmp_path / "ckpt.old")  # kill -9 after `ckpt -> ckpt.old`, before `tmp -> ckpt`
+    r = run_train(tmp_path, "--max_steps=3", "--max_staleness=0", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]
+    r = run_train(tmp_path, "--max_steps=4", "--resume", "--tiny_experts=4")
+    assert r.returncode != 0 and "num_experts: 8 vs 4" in r.stderr
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    r = run_train(tmp_path, "--model=/nonexistent/qwen3", "--max_steps=1")
+    assert r.returncode != 0 and "/nonexistent/qwen3/config.json: missing" in r.stderr
