@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -312,8 +313,28 @@ def load_agent(name: str):
     return run
 
 
+@functools.lru_cache(maxsize=4)
+def load_task_file(path: str) -> list[dict]:
+    """JSONL, one JSON object per prompt, merged into its task dict; a bad line names the file and line."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no tasks in the file")
+    return rows
+
+
 def make_task(name_or_path: str, index: int, *, seed: int, group_size: int, guess_max: int = 7, max_turns: int = 3,
-              tool_timeout: float = 5.0, tool_memory_mb: int = 256, **knobs) -> dict:
+              tool_timeout: float = 5.0, tool_memory_mb: int = 256, task_file: str = "", **knobs) -> dict:
     """The task dict of episode `index`. A pure function of (seed, index): a resumed run continues the same stream."""
     if not 1 <= guess_max <= 9:
         raise ValueError(f"guess_max={guess_max}: must be in 1..9 (a guess is one digit)")
@@ -321,6 +342,10 @@ def make_task(name_or_path: str, index: int, *, seed: int, group_size: int, gues
     rng = random.Random(seed * 1_000_003 + group)
     # Every field is drawn for every task, in a fixed order, so one task's draws never shift another's.
     secret, a, b, c = rng.randint(1, guess_max), rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
-    return dict(knobs, task=name_or_path, index=index, group=group, guess_max=guess_max, max_turns=max_turns,
+    task = dict(knobs, task=name_or_path, index=index, group=group, guess_max=guess_max, max_turns=max_turns,
                 tool_timeout=tool_timeout, tool_memory_mb=tool_memory_mb, secret=secret, a=a, b=b, c=c,
                 seed=rng.getrandbits(32))  # for user agents that draw their own data
+    if task_file:  # a data set: its rows, one per group, override the drawn fields
+        rows = load_task_file(task_file)
+        task.update(rows[group % len(rows)])
+    return task

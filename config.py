@@ -39,6 +39,7 @@ class Config:
     server_timeout: float = 600.0  # seconds to wait for a server to become healthy
     # ---- agents and tasks ----
     task: str = "guess"  # guess | calc | arith | path/to/agent.py (a file defining `async def run(task, llm)`)
+    task_file: str = ""  # JSONL, one JSON object per prompt, merged into the task dict (e.g. {"a": 3, "b": 4})
     group_size: int = 8  # episodes per prompt (the GRPO group)
     prompts_per_step: int = 8  # prompts per optimizer step; batch = prompts_per_step * group_size episodes
     max_turns: int = 3  # model turns per episode in multi-turn tasks
@@ -81,6 +82,7 @@ class Config:
             ("prompts_per_step", self.prompts_per_step >= 1, "must be >= 1"),
             ("micro_batch", self.micro_batch >= 1, "must be >= 1"),
             ("max_turns", self.max_turns >= 1, "must be >= 1"),
+            ("guess_max", 1 <= self.guess_max <= 9, "must be in 1..9 (a guess is one digit)"),
             ("temperature", self.temperature > 0, "must be > 0 (the recorded logprobs need a sampling distribution)"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),

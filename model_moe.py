@@ -196,8 +196,8 @@ class KVCache:
             b = slots[:, None].expand_as(positions)
             self.k[layer][b, :, positions] = k.transpose(1, 2)
             self.v[layer][b, :, positions] = v.transpose(1, 2)
-            # index_select on the narrowed view copies the same values as k[layer, slots, :, :n_keys]
-            # but ~6x faster on CPU (advanced indexing goes element by element; this copies whole rows)
+            # the same values as k[layer, slots, :, :n_keys], ~5x faster on CPU: advanced indexing copies
+            # element by element, index_select copies each slot's keys as whole rows
             return (self.k[layer].narrow(2, 0, n_keys).index_select(0, slots),
                     self.v[layer].narrow(2, 0, n_keys).index_select(0, slots))
         return update

@@ -330,6 +330,8 @@ def main(argv=None):
     cfg = config.load(argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name))
+    if cfg.task_file:
+        agent.load_task_file(cfg.task_file)  # a malformed line stops the run here, naming file and line
     rank, world, device = compute_init()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)) if device.type == "cpu" else 8)
     os.makedirs(cfg.out_dir, exist_ok=True)

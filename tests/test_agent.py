@@ -255,3 +255,19 @@ def test_validate_catches_malformed(break_it, match):
 def test_completion_with_mismatched_lengths_is_rejected():
     with pytest.raises(ValueError, match="lengths"):
         Episode().append_completion(SimpleNamespace(ids=[1, 2], logprobs=[-0.1], versions=[0, 0], routing=None))
+
+
+def test_task_file_rows_join_tasks_and_bad_lines_are_named(tmp_path):
+    good = tmp_path / "tasks.jsonl"
+    good.write_text('{"a": 2, "b": 40}\n\n{"a": 5, "b": 6}\n')
+    t0 = agent.make_task("arith", 0, seed=0, group_size=2, task_file=str(good))
+    t3 = agent.make_task("arith", 3, seed=0, group_size=2, task_file=str(good))
+    t5 = agent.make_task("arith", 5, seed=0, group_size=2, task_file=str(good))
+    assert (t0["a"], t0["b"]) == (2, 40) and (t3["a"], t3["b"]) == (5, 6) and (t5["a"], t5["b"]) == (2, 40)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"a": 1}\n{"a": 2,,}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        agent.load_task_file(str(bad))
+    (tmp_path / "list.jsonl").write_text('{"a": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"list.jsonl:2: expected a JSON object, got list"):
+        agent.load_task_file(str(tmp_path / "list.jsonl"))
