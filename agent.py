@@ -70,6 +70,7 @@ class Episode:
     reward: float = 0.0
     group: int = 0  # prompt id: episodes of one group share a prompt (group baselines)
     info: dict = field(default_factory=dict)  # numbers to log (turns, tool_errors, ...)
+    images: list = field(default_factory=list)  # (C, H, W) float tensors in [0, 1], in the order of their placeholders
 
     def _pad_routing(self):  # keep routing at one row per token: -1 rows for positions no engine has computed
         if self.routing is not None and len(self.routing) < len(self.ids):
@@ -81,6 +82,15 @@ class Episode:
         n = len(ids)
         self.ids += ids; self.loss_mask += [0] * n; self.logprobs += [0.0] * n; self.versions += [-1] * n
         self._pad_routing()
+
+    def append_image(self, image: torch.Tensor, ids: list[int]) -> None:
+        """An image observation: ids hold its placeholders (<|image_pad|> once per patch, see image_text), with
+        any text around them; mask 0 like every observation. The engine checks the shape against the model."""
+        if not (isinstance(image, torch.Tensor) and image.is_floating_point() and image.dim() == 3):
+            got = f"{image.dtype} {tuple(image.shape)}" if isinstance(image, torch.Tensor) else type(image).__name__
+            raise ValueError(f"an image must be a float tensor (C, H, W) in [0, 1], got {got}")
+        self.append(ids)
+        self.images.append(image)
 
     def append_completion(self, c) -> None:
         """An engine result for prompt = self.ids: c.ids, c.logprobs, c.versions, c.routing (prompt + sampled rows)."""
@@ -137,7 +147,7 @@ def turn_suffix(tok, text: str, role: str = "user") -> list[int]:
 
 async def model_turn(llm, ep: Episode) -> str:
     """One model turn appended to ep; returns its text, decoded only to show the environment."""
-    c = await llm.generate(ep.ids)
+    c = await (llm.generate(ep.ids, images=ep.images) if ep.images else llm.generate(ep.ids))
     ep.append_completion(c)
     end = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
     if not c.ids or c.ids[-1] != end:  # cut off at max_new_tokens: close the turn ourselves, unsampled (mask 0)
@@ -295,7 +305,41 @@ async def arith(task: dict, llm) -> Episode:
     return ep
 
 
-TASKS = {"guess": guess, "calc": calc, "arith": arith}
+IMAGE_PAD, COUNT_PROMPT = "<|image_pad|>", "How many squares?"
+
+
+def image_text(task: dict) -> str:
+    """One image's placeholders in a message: <|image_pad|> once per patch (a special token: one id each)."""
+    return IMAGE_PAD * (task.get("image_size", 16) // task.get("patch_size", 4)) ** 2
+
+
+def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tensor:
+    """A black (3, size, size) image with k cell x cell squares at distinct grid cells, each a random bright color."""
+    img, g = torch.zeros(3, size, size), size // cell
+    for j in rng.sample(range(g * g), k):
+        r, c = divmod(j, g)
+        color = torch.tensor([rng.uniform(0.3, 1) for _ in "rgb"])[:, None, None]
+        img[:, r * cell:(r + 1) * cell, c * cell:(c + 1) * cell] = color
+    return img
+
+
+async def count(task: dict, llm) -> Episode:
+    """How many squares (1..4) does the image show? The environment answers each reply with a new image, for
+    max_turns turns; a reply's first digit is its answer; the reward is the fraction answered right."""
+    ep, tok, rng = Episode(group=task["group"]), llm.tokenizer, random.Random(task["seed"])
+    right = 0
+    for turn in range(1, task["max_turns"] + 1):
+        k, text = rng.randint(1, 4), image_text(task) + COUNT_PROMPT
+        ids = turn_suffix(tok, text) if turn > 1 else prompt_ids(tok, text)  # the environment answers with an image
+        ep.append_image(squares(rng, task.get("image_size", 16), k), ids)
+        digit = re.search(r"\d", await model_turn(llm, ep))
+        right += digit is not None and int(digit.group()) == k
+    ep.reward = right / task["max_turns"]
+    ep.info = {"turns": turn}
+    return ep
+
+
+TASKS = {"guess": guess, "calc": calc, "arith": arith, "count": count}
 
 
 def load_agent(name: str):

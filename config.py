@@ -26,8 +26,11 @@ class Config:
     tiny_hidden: int = 128  # tiny model: width
     tiny_experts: int = 8  # tiny model: experts per MoE layer (0 = dense)
     tiny_top_k: int = 2  # tiny model: experts per token
+    tiny_vision: bool = False  # tiny model: add a vision encoder (needed by image tasks such as count)
+    image_size: int = 16  # image tasks: height = width of every image, in pixels (tiny vision: what it takes)
+    patch_size: int = 4  # image tasks: patch side; an image is (image_size / patch_size)^2 <|image_pad|> tokens
     # ---- generation ----
-    engine: str = "torch"  # torch: the embedded engine (CPU or GPU)
+    engine: str = "torch"  # torch: the embedded engine (CPU or GPU); vllm | sglang: inference servers over HTTP
     engine_slots: int = 64  # rows decoded together by the torch engine (continuous batching)
     engine_max_len: int = 256  # longest conversation (tokens) the torch engine holds per slot
     max_new_tokens: int = 8  # per model turn
@@ -36,9 +39,10 @@ class Config:
     top_k: int = 0  # top-k sampling; 0 = off
     server_urls: str = ""  # comma-separated URLs of running servers; empty = start one locally
     server_python: str = ""  # interpreter that runs the server (its own venv); empty = this one
-    server_timeout: float = 600.0  # seconds to wait for a server to become healthy
+    server_timeout: float = 600.0  # seconds to wait for a server to become healthy (and for one request)
+    server_args: str = ""  # extra command-line arguments for a server started here, e.g. "--enforce-eager"
     # ---- agents and tasks ----
-    task: str = "guess"  # guess | calc | arith | path/to/agent.py (a file defining `async def run(task, llm)`)
+    task: str = "guess"  # guess | calc | arith | count | path/to/agent.py (a file defining `async def run(task, llm)`)
     task_file: str = ""  # JSONL, one JSON object per prompt, merged into the task dict (e.g. {"a": 3, "b": 4})
     group_size: int = 8  # episodes per prompt (the GRPO group)
     prompts_per_step: int = 8  # prompts per optimizer step; batch = prompts_per_step * group_size episodes
@@ -73,7 +77,7 @@ class Config:
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
         checks = [
-            ("engine", self.engine == "torch", "must be torch (the vllm and sglang server engines are not built yet)"),
+            ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
             ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),
@@ -83,6 +87,9 @@ class Config:
             ("micro_batch", self.micro_batch >= 1, "must be >= 1"),
             ("max_turns", self.max_turns >= 1, "must be >= 1"),
             ("guess_max", 1 <= self.guess_max <= 9, "must be in 1..9 (a guess is one digit)"),
+            ("patch_size", self.patch_size >= 1 and self.image_size % self.patch_size == 0, "must divide image_size"),
+            ("tiny_vision", self.tiny_vision or not (self.model == "tiny" and self.task == "count"),
+             "must be true for the image task count on the tiny model"),
             ("temperature", self.temperature > 0, "must be > 0 (the recorded logprobs need a sampling distribution)"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),

@@ -8,6 +8,13 @@ model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in
   request, each row at its own length), so the engine and the trainer run the same code.
 - MoE routing can be captured ([n_moe_layers, B, T, top_k]) and replayed: replay fixes which experts
   run, the router still gets gradient through the combine weights (arXiv:2510.11370, "routing replay").
+- Optional vision encoder (vision_layers > 0): images become features at the <|image_pad|> placeholders,
+  n_patches per image, so engine, trainer and agent see an image as the same run of tokens. A real
+  vision-language checkpoint (Qwen2.5-VL, Qwen3-VL) is not loaded here: it needs its own vision tower
+  (windowed attention, 2x2 patch merger), its preprocessing (resize, normalise, a placeholder count that
+  depends on the image) and M-RoPE positions. On a server engine its images would go with the token ids
+  (vLLM: a tokens prompt plus multi_modal_data; SGLang: /generate with input_ids and image_data), and the
+  trainer would recompute on the same preprocessed pixels.
 """
 import json
 import os
@@ -20,6 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+VISION_FIELDS = ("vision_layers", "vision_hidden", "vision_heads", "image_size", "image_channels", "patch_size",
+                 "image_token_id")
 
 
 @dataclass
@@ -41,8 +50,14 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list = field(default_factory=list)
-    # vision encoder (issue: multimodal); 0 = text only
-    image_token_id: int = -1
+    # vision encoder: a ViT in miniature whose features replace the <|image_pad|> embeddings; 0 layers = text only
+    vision_layers: int = 0
+    vision_hidden: int = 64
+    vision_heads: int = 4
+    image_size: int = 16  # pixels, height = width
+    image_channels: int = 3
+    patch_size: int = 4  # an image gives (image_size / patch_size)^2 features, one per placeholder token
+    image_token_id: int = -1  # id of <|image_pad|>; -1: none
 
     def is_moe_layer(self, i):
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
@@ -50,6 +65,10 @@ class ModelConfig:
     @property
     def n_moe_layers(self):
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def n_patches(self):  # features (and placeholder tokens) per image
+        return (self.image_size // self.patch_size) ** 2
 
     @classmethod
     def from_hf(cls, d, path="config.json"):
@@ -66,7 +85,8 @@ class ModelConfig:
         return cls(**kw)
 
     def to_hf(self):
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "image_token_id"}
+        # vision fields only for a model that has an encoder: a text-only config.json stays as it was
+        d = {f.name: getattr(self, f.name) for f in fields(self) if self.vision_layers or f.name not in VISION_FIELDS}
         moe = self.num_experts > 0
         d.update(architectures=[ARCHITECTURES[moe]], model_type="qwen3_moe" if moe else "qwen3", hidden_act="silu",
                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta}, attention_bias=False,
@@ -203,6 +223,35 @@ class KVCache:
         return update
 
 
+class VisionEncoder(nn.Module):
+    """Images (N, C, H, W) in [0, 1] -> features (N, n_patches, hidden_size). A ViT in miniature
+    (arXiv:2010.11929): each patch is flattened and embedded by one linear map and gets a learned position;
+    pre-norm blocks (the decoder's own, dense) attend over all patches of an image, no causal mask; an MLP
+    projector maps into the decoder's width, as in LLaVA (arXiv:2304.08485)."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        D, self.p = c.vision_hidden, c.patch_size
+        vc = ModelConfig(hidden_size=D, intermediate_size=2 * D, num_attention_heads=c.vision_heads,
+                         num_key_value_heads=c.vision_heads, head_dim=D // c.vision_heads, rms_norm_eps=c.rms_norm_eps)
+        self.patch_embed = nn.Linear(c.image_channels * self.p ** 2, D, bias=False)
+        self.pos_embed = nn.Parameter(torch.zeros(c.n_patches, D))
+        self.blocks = nn.ModuleList(Block(vc, i) for i in range(c.vision_layers))
+        self.norm = RMSNorm(D, c.rms_norm_eps)
+        self.proj_in = nn.Linear(D, c.hidden_size, bias=False)
+        self.proj_out = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+
+    def forward(self, images):
+        N, C, H, W = images.shape
+        p = self.p
+        x = images.unfold(2, p, p).unfold(3, p, p)  # (N, C, H/p, W/p, p, p)
+        x = x.permute(0, 2, 3, 1, 4, 5).reshape(N, (H // p) * (W // p), C * p * p)  # patches in raster order
+        x = self.patch_embed(x) + self.pos_embed  # (N, n_patches, D)
+        for block in self.blocks:  # cos 1, sin 0: no rotation (positions are in pos_embed); mask None: see all
+            x, _ = block(x, 1.0, 0.0, None)
+        return self.proj_out(F.gelu(self.proj_in(self.norm(x))))  # (N, n_patches, hidden_size)
+
+
 class Transformer(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -214,6 +263,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if c.vision_layers:
+            self.visual = VisionEncoder(c)  # keys visual.*: transformers loading the text part ignores them
 
     def init_weights(self, seed=0, std=0.02):
         g = torch.Generator().manual_seed(seed)
@@ -223,17 +274,21 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,
-                return_routing=False, embeds=None):
+                return_routing=False, embeds=None, images=None):
         """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)].
         positions (B, T): rotary positions, default 0..T-1. pad_mask (B, T) bool: False on padding
         keys (left or right padding). cache/slots: KVCache and the slot of each row (B,); the tokens
         are written at their positions and attend to everything at or before them in their slot.
-        routing: experts to replay. embeds (B, T, C): input embeddings to use instead of ids."""
+        routing: experts to replay. embeds (B, T, C): input embeddings to use instead of ids.
+        images (N, C, H, W) float: the batch's images in row-major order of their placeholders; image i's
+        features replace the embeddings of placeholders i * n_patches .. (i + 1) * n_patches - 1."""
         c = self.config
         B, T = ids.shape
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)
         x = self.model.embed_tokens(ids) if embeds is None else embeds  # (B, T, C)
+        if images is not None:
+            x = self.splice_images(ids, x, images)
         # rotary tables in fp32, as the reference computes them
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=ids.device).float() / c.head_dim))
         freqs = positions[..., None].float() * inv_freq  # (B, T, hd/2)
@@ -261,6 +316,19 @@ class Transformer(nn.Module):
         if return_routing:
             return logits, (torch.stack(routes) if routes else None)
         return logits
+
+    def splice_images(self, ids, x, images):
+        """x (B, T, C) with the features of images (N, C_img, H, W) in place of the image placeholders of ids."""
+        c = self.config
+        if not c.vision_layers:
+            raise ValueError("images given, but this model has no vision encoder (vision_layers=0)")
+        at = ids == c.image_token_id  # (B, T)
+        n = int(at.sum())
+        if n != len(images) * c.n_patches:
+            raise ValueError(f"{n} image placeholders (token id {c.image_token_id}) for {len(images)} images "
+                             f"of {c.n_patches} patches each")
+        feats = self.visual(images.to(x.dtype)).reshape(-1, x.shape[-1])  # (N * n_patches, C)
+        return x.masked_scatter(at[..., None], feats)  # fills the True positions in row-major order
 
     # ---- Hugging Face checkpoints ----
     @classmethod

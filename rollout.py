@@ -1,6 +1,7 @@
 """
 rollout.py: generation. The embedded torch engine (continuous batching over a slot KV cache), the
-rollout process that runs agents against it, and the bounded shared-memory queue to the trainer.
+rollout process that runs agents against it, the bounded shared-memory queue to the trainer, and the
+vLLM / SGLang server engines (last section), which agents use through the same `await generate(ids)`.
 
 Every generated token comes back with the id that was sampled, its logprob under the distribution it
 was actually sampled from (temperature, top-k, top-p applied), the version of the weights that sampled
@@ -8,20 +9,36 @@ it and, for MoE, the experts each position was routed to. Weights live in shared
 copies new ones in under a lock and bumps the version; the engine sees them between decode steps.
 """
 import asyncio
+import base64
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import io
+import itertools
+import json
 import math
 import os
 import queue as queue_mod
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
 import sys
 import time
 import traceback
+import urllib.error
+import urllib.request
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
 import agent as agent_mod
-from model_moe import KVCache, ModelConfig, Transformer
+from model_moe import KVCache, ModelConfig, Transformer, save_pretrained
 
 
 @dataclass
@@ -41,7 +58,8 @@ def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
         return ids, logp.gather(-1, ids[:, None])[:, 0]
     if 0 < top_k < logp.shape[-1]:
         kth = logp.topk(top_k, dim=-1).values[:, -1:]
-        logp = logp.masked_fill(logp < kth, -math.inf)
+        # renormalise over the top-k before the top-p cut, as vLLM, SGLang and transformers do
+        logp = torch.log_softmax(logp.masked_fill(logp < kth, -math.inf), dim=-1)
     if top_p < 1.0:  # keep the smallest prefix of the sorted distribution whose mass reaches top_p
         sorted_logp, order = logp.sort(dim=-1, descending=True)
         p = sorted_logp.exp()
@@ -62,6 +80,7 @@ class _Request:
     versions: list
     slot: int = -1
     fed: int = 0  # tokens whose keys are in the cache
+    images: torch.Tensor | None = None  # (N, C, H, W) for the prompt's placeholders; used by prefills only
 
 
 class TorchEngine:
@@ -69,7 +88,7 @@ class TorchEngine:
     rows) and one decode (all rows). A finished row's slot is refilled at the next step."""
 
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
-                 max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None):
+                 max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None):
         self.model, self.c = model.eval(), model.config
         p = next(model.parameters())
         self.cache = KVCache(self.c, slots, max_len, dtype=p.dtype, device=p.device)
@@ -79,18 +98,22 @@ class TorchEngine:
                                   dtype=torch.int16) if self.c.n_moe_layers else None
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.max_new, self.stop_ids, self.seed, self.max_len = max_new_tokens, set(stop_ids), seed, max_len
-        self.shared_version, self.lock = version, lock  # set by the trainer when weights are shared
+        if self.c.vision_layers:  # a sampled placeholder has no image: end the row there (the agent rejects
+            self.stop_ids.add(self.c.image_token_id)  # the episode), else a re-prefill would splice a feature in
+        self.shared_version, self.lock, self.source = version, lock, source  # weights shared with the trainer
         self.version = version.value if version is not None else 0
         self.generator = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + self.version)
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
         self.wake = asyncio.Event()
         self.tokens_generated, self.busy_s = 0, 0.0
 
-    async def generate(self, ids, max_new_tokens=None) -> Completion:
+    async def generate(self, ids, max_new_tokens=None, images=None) -> Completion:
+        """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
         if max_new <= 0:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
-        req = _Request(list(ids), len(ids), max_new, asyncio.get_running_loop().create_future(), [], [])
+        req = _Request(list(ids), len(ids), max_new, asyncio.get_running_loop().create_future(), [], [],
+                       images=None if images is None else images.to(self.cache.k.device))
         self.waiting.append(req)
         self.wake.set()
         return await req.future
@@ -108,12 +131,13 @@ class TorchEngine:
         # exactly what those weights would sample (the trainer's recompute then matches it)
         rows = [r for r in self.active.values() if r.fed > 0]
         if rows:
-            self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows))
+            self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows), prefill=True)
 
     @torch.no_grad()
-    def _forward(self, rows, chunks, start):
+    def _forward(self, rows, chunks, start, prefill=False):
         """Run each row's chunk of tokens at positions start.. in its slot; returns logits at each row's
-        last chunk token (B, V) and records routing for those positions."""
+        last chunk token (B, V) and records routing for those positions. prefill: the chunks start at 0 and
+        hold every placeholder, so the rows' images go in (decode steps are text only)."""
         # Inputs are built as one tensor each and routing is recorded with one indexed write: building
         # and copying small tensors row by row cost ~1 ms per decode step at 64 rows (~10% of the step).
         lens, dev = [len(ch) for ch in chunks], self.cache.k.device
@@ -122,8 +146,9 @@ class TorchEngine:
         # positions (B, T); padding continues them: written past the row, masked
         pos = torch.tensor(start)[:, None] + torch.arange(T)
         slots = torch.tensor([r.slot for r in rows])  # (B,)
+        images = [r.images for r in rows if r.images is not None] if prefill else []
         logits, routing = self.model(ids, positions=pos.to(dev), cache=self.cache, slots=slots.to(dev),
-                                     return_routing=True)
+                                     return_routing=True, images=torch.cat(images) if images else None)
         for r, n, s in zip(rows, lens, start):
             r.fed = s + n
         if routing is not None:  # routing (n_moe, B, T, k) -> the slots' records, at the rows' real positions
@@ -138,7 +163,9 @@ class TorchEngine:
         lock = self.lock if self.lock is not None else _NoLock()
         with lock:  # the trainer cannot swap weights in the middle of a forward
             if self.shared_version is not None and self.shared_version.value != self.version:
-                self._new_version(self.shared_version.value)  # the weights themselves are shared tensors
+                if self.source is not None:
+                    self.model.load_state_dict(self.source, strict=False)
+                self._new_version(self.shared_version.value)
             new = []
             while self.waiting and self.free:
                 r = self.waiting.popleft()
@@ -148,7 +175,7 @@ class TorchEngine:
                 self.active[r.slot] = r
                 new.append(r)
             if new:  # prefill: the whole prompt of each new row; sample its first token
-                self._sample(new, self._forward(new, [r.ids for r in new], [0] * len(new)))
+                self._sample(new, self._forward(new, [r.ids for r in new], [0] * len(new), prefill=True))
             rows = [r for r in self.active.values() if r not in new]
             if rows:  # decode: feed each row's last sampled token
                 self._sample(rows, self._forward(rows, [r.ids[-1:] for r in rows], [r.fed for r in rows]))
@@ -195,10 +222,35 @@ class Policy:
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer, self.calls = engine, tokenizer, []
 
-    async def generate(self, ids, max_new_tokens=None):
-        c = await self.engine.generate(ids, max_new_tokens)
-        self.calls.append((list(ids), c))
+    async def generate(self, ids, max_new_tokens=None, images=None):
+        """images: a list of (C, H, W) tensors in [0, 1], one per run of placeholders in ids, in order."""
+        images = check_images(ids, images, getattr(self.engine, "c", None))  # bad input fails here, in the agent
+        c = await self.engine.generate(ids, max_new_tokens, **({} if images is None else {"images": images}))
+        self.calls.append((list(ids), c, images))
         return c
+
+
+def check_images(ids, images, c):
+    """-> the images as one tensor (N, C, H, W), or None. A ValueError for what the model cannot take:
+    images it has no encoder for, a wrong shape or range, placeholders that are not n_patches per image.
+    c: the engine's ModelConfig (None: an engine that takes no images)."""
+    images = list(images if images is not None else [])
+    if c is None or not c.vision_layers:
+        if images:
+            raise ValueError("images given, but the engine's model has no vision encoder (vision_layers=0)")
+        return None
+    want = (c.image_channels, c.image_size, c.image_size)
+    for i, im in enumerate(images):
+        if not (isinstance(im, torch.Tensor) and im.is_floating_point() and tuple(im.shape) == want):
+            got = tuple(im.shape) if isinstance(im, torch.Tensor) else type(im).__name__
+            raise ValueError(f"image {i}: {got}, the model takes float (C, H, W) = {want}")
+        if not bool(((im >= 0) & (im <= 1)).all()):
+            raise ValueError(f"image {i}: values outside [0, 1]")
+    n = sum(t == c.image_token_id for t in ids)
+    if n != len(images) * c.n_patches:
+        raise ValueError(f"{n} image placeholders (token id {c.image_token_id}) for {len(images)} images "
+                         f"of {c.n_patches} patches each")
+    return torch.stack(images).float() if images else None
 
 
 class Malformed(Exception):
@@ -207,15 +259,19 @@ class Malformed(Exception):
 
 def check_tokens(ep, calls):
     """The trainer must train exactly the tokens the engine saw and sampled: every call's prompt is a
-    prefix of the episode, its sampled ids follow it with loss_mask 1, and nothing else has mask 1.
-    Logprobs, versions and routing are taken from the engine's record, not from the agent."""
+    prefix of the episode, its sampled ids follow it with loss_mask 1, and nothing else has mask 1; its
+    images are the first of the episode's (the same pixels). Logprobs, versions and routing are taken from
+    the engine's record, not from the agent."""
     T = len(ep.ids)
     logprobs, versions, sampled = [0.0] * T, [-1] * T, 0
     routing = None
-    for prompt, c in calls:
+    for prompt, c, images in calls:
         p, n = len(prompt), len(c.ids)
         if ep.ids[:p] != prompt or ep.ids[p:p + n] != c.ids or not all(ep.loss_mask[p:p + n]):
             raise ValueError(f"token mismatch: the episode does not contain the engine's call at position {p}")
+        if images is not None and not (len(ep.images) >= len(images) and all(
+                torch.equal(a.float(), b) for a, b in zip(ep.images, images))):
+            raise ValueError(f"image mismatch: the episode's images differ from the engine's call at position {p}")
         logprobs[p:p + n], versions[p:p + n] = c.logprobs, c.versions
         sampled += n
         if c.routing is not None:
@@ -226,7 +282,7 @@ def check_tokens(ep, calls):
     if sum(ep.loss_mask) != sampled:
         raise ValueError(f"token mismatch: loss_mask marks {sum(ep.loss_mask)} tokens, the engine sampled {sampled}")
     ep.logprobs, ep.versions, ep.routing = logprobs, versions, routing
-    return torch.tensor([t for prompt, c in calls for t in c.ids], dtype=torch.long)
+    return torch.tensor([t for prompt, c, _ in calls for t in c.ids], dtype=torch.long)
 
 
 # ---- the rollout process: agents -> episodes -> the shared-memory queue ----
@@ -236,33 +292,51 @@ def episode_to_msg(ep, index, engine_ids):
     return {"engine_ids": engine_ids, "tokens": torch.tensor([ep.ids, ep.loss_mask, ep.versions], dtype=torch.long),  # (3, T)
             "logprobs": torch.tensor(ep.logprobs, dtype=torch.float32),  # (T,)
             "routing": ep.routing, "reward": float(ep.reward), "group": ep.group, "index": index,
+            "images": torch.stack(ep.images).float() if ep.images else None,  # (N, C, H, W) in placeholder order
             "info": {k: float(v) for k, v in ep.info.items()}}
 
 
-def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir):
-    """Entry of the rollout process. weights: the shared state dict the engine computes with."""
+def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers=None):
+    """Entry of the rollout process. weights: the shared state dict the engine computes with (torch);
+    servers: [(url, log path or None)] of the inference servers (vllm, sglang)."""
     torch.set_num_threads(1)
     try:
-        asyncio.run(_rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir))
+        asyncio.run(_rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers))
     except Exception:
         traceback.print_exc()
-        sys.exit(1)
+        sys.stderr.flush()
+        os._exit(1)  # now: sys.exit would first wait for threads still blocked in HTTP calls to servers
 
 
-async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir):
+async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    model.load_state_dict(weights, assign=True, strict=True)  # parameters ARE the shared tensors
-    if model_cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    engine = TorchEngine(model, slots=cfg.engine_slots, max_len=cfg.engine_max_len, temperature=cfg.temperature,
-                         top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                         stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], seed=cfg.seed, version=version, lock=lock)
-    loop_task = asyncio.create_task(engine.run())
-    await produce(cfg, engine, tok, out_q, dropped, start_index, model_cfg.vocab_size)
-    loop_task.cancel()
+    stop_ids = [tok.convert_tokens_to_ids("<|im_end|>")]
+    sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
+                    max_len=cfg.engine_max_len, stop_ids=stop_ids, seed=cfg.seed, version=version)
+    if servers is not None:
+        engine = ServerEngine(cfg.engine, [u for u, _ in servers], logs=[log for _, log in servers],
+                              model_config=model_cfg, weights_dir=os.path.join(cfg.out_dir, "engine_weights"),
+                              timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, **sampling)
+    else:
+        if torch.cuda.is_available():  # a copy on the GPU, refreshed from the shared tensors at each new version
+            model, source = Transformer(model_cfg).cuda(), weights
+            model.load_state_dict(weights)
+        else:  # on CPU the parameters ARE the shared tensors: nothing to copy
+            with torch.device("meta"):
+                model = Transformer(model_cfg)
+            model.load_state_dict(weights, assign=True, strict=True)
+            source = None
+        if model_cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        engine = TorchEngine(model, slots=cfg.engine_slots, lock=lock, source=source, **sampling)
+    tasks = [asyncio.create_task(engine.run()),
+             asyncio.create_task(produce(cfg, engine, tok, out_q, dropped, start_index, model_cfg.vocab_size))]
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in tasks:
+        t.cancel()
+    for t in done:  # neither returns: an engine or producer error ends the rollout process
+        t.result()
 
 
 async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size):
@@ -276,13 +350,15 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     index, started, failed, running = start_index, 0, 0, {}
     pending = deque()  # finished messages waiting for room in the queue (back-pressure)
     knobs = dict(seed=cfg.seed, group_size=cfg.group_size, guess_max=cfg.guess_max, max_turns=cfg.max_turns,
-                 tool_timeout=cfg.tool_timeout, tool_memory_mb=cfg.tool_memory_mb)
+                 tool_timeout=cfg.tool_timeout, tool_memory_mb=cfg.tool_memory_mb, image_size=cfg.image_size,
+                 patch_size=cfg.patch_size, task_file=cfg.task_file)
 
     async def one(task, index):
         llm = Policy(engine, tokenizer)
         ep = await asyncio.wait_for(run(task, llm), cfg.episode_timeout)
         try:
             engine_ids = check_tokens(ep, llm.calls)
+            check_images(ep.ids, ep.images, getattr(engine, "c", None))  # e.g. a placeholder the policy sampled
             ep.validate(vocab_size)
         except ValueError as e:  # nothing malformed reaches the trainer
             raise Malformed(str(e)) from e
@@ -303,6 +379,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
         for t in done:
             i = running.pop(t)
             err = t.exception()
+            if isinstance(err, ServerError):  # not the agent's fault, and every later call would fail too
+                raise err
             if err is None:
                 msg = t.result()
                 msg["stats"] = dict(counts, tokens_generated=engine.tokens_generated, engine_busy_s=engine.busy_s)
@@ -322,35 +400,51 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
 
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir):
-    """Start the rollout process (trainer rank 0). weights: a state dict, copied to shared memory once;
-    later versions are written into it by `publish`."""
+    """Start the rollout process (trainer rank 0). torch: weights are copied to shared memory once and
+    later versions written into them by `publish`. vllm, sglang: weights go to the servers by disk
+    (`write_weights`); the servers are started here (or given by cfg.server_urls) and stopped by `close`."""
     ctx = mp.get_context("spawn")
-    shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()}
+    shared = servers = write = None
+    procs = []
+    if cfg.engine == "torch":
+        shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()}
+    else:
+        write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
+        procs, servers = start_servers(cfg, write(start_version, weights), moe=model_cfg.num_experts > 0)
     version, lock, dropped = ctx.Value("l", start_version), ctx.Lock(), ctx.Value("l", 0)
     out_q = ctx.Queue(maxsize=cfg.queue_size)
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
-                       args=(cfg, model_cfg, shared, version, lock, out_q, dropped, start_index, tokenizer_dir))
+                       args=(cfg, model_cfg, shared, version, lock, out_q, dropped, start_index, tokenizer_dir, servers))
     proc.start()
-    return Rollout(proc, out_q, shared, version, lock, dropped)
+    return Rollout(proc, out_q, shared, version, lock, dropped, procs, write)
 
 
 class Rollout:
-    """The trainer's handle on the rollout process."""
+    """The trainer's handle on the rollout process (and on the inference servers it started)."""
 
-    def __init__(self, proc, out_q, shared, version, lock, dropped):
+    def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None):
         self.proc, self.q, self.shared, self.version, self.lock, self.dropped = proc, out_q, shared, version, lock, dropped
+        self.servers, self.write = servers, write  # [(server process, log path)]; the weight writer of server engines
 
     def get(self, timeout=1.0):
-        """Next episode message; raises if the rollout process died."""
+        """Next episode message; raises if the rollout process or a server it uses died."""
         while True:
             try:
                 return self.q.get(timeout=timeout)
             except queue_mod.Empty:
+                for p, log in self.servers:
+                    if p.poll() is not None:
+                        raise RuntimeError(f"inference server died (exit code {p.returncode}){log_tail(log)}")
                 if not self.proc.is_alive():
                     raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}); its traceback is above")
 
     def publish(self, state, version):
-        """Copy new weights into the engine's shared tensors, then tag them `version`."""
+        """Hand new weights to the engine as `version`: copied into its shared tensors (torch), or written
+        as a directory the rollout process has the servers load (vllm, sglang)."""
+        if self.write is not None:
+            self.write(version, state)
+            self.version.value = version
+            return
         with self.lock:
             for k, t in state.items():
                 self.shared[k].copy_(t)
@@ -365,3 +459,264 @@ class Rollout:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
+        for p, _ in self.servers:
+            stop_server(p)
+
+
+# ---- server engines: vLLM and SGLang over HTTP ----
+# Generation by inference servers (their own processes, under their own Python if need be, or on other
+# machines), behind the interface agents already use: `await engine.generate(ids) -> Completion`. Token ids
+# go in and come out, never text; each sampled id comes back with its logprob under the distribution it was
+# drawn from (vLLM: --logprobs-mode processed_logprobs; SGLang's default: after temperature, top-k, top-p).
+# Weights travel by disk: `Rollout.publish` writes a Hugging Face directory per version; the engine stops
+# admitting requests, lets the running ones finish (each request is sampled by one version), has every
+# server load the directory and flush its prefix cache, then reopens. Future work: a path from the
+# trainer's tensors (SGLang update_weights_from_tensor / _from_distributed, vLLM's NCCL weight transfer).
+# Routed experts come back from SGLang (--enable-return-routed-experts) and from vLLM on GPU
+# (--enable-return-routed-experts, model runner v2); where a server returns none, routing is None and
+# the trainer routes freely.
+
+class ServerError(RuntimeError):
+    """A server died, is unreachable or refused a call: the rollout stops (a dead server is never a hang)."""
+
+
+def _http(url, body=None, timeout=600.0):
+    """POST `body` as JSON (GET when None) -> the decoded JSON answer, or its text."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        text = r.read().decode()
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def vllm_command(model_dir, port, cfg, moe):
+    """-> (arguments after the interpreter, environment) that start vLLM's OpenAI-compatible server."""
+    argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", cfg.dtype, "--max-model-len", str(cfg.engine_max_len), "--seed", str(cfg.seed),
+            "--logprobs-mode", "processed_logprobs",  # the logprob of the distribution sampled from
+            "--generation-config", "vllm"]  # no sampling defaults from the checkpoint: ours are explicit
+    # dev mode serves /pause, /resume, /collective_rpc, /reset_prefix_cache; the CPU build needs a KV size (GiB)
+    return argv, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+
+
+def vllm_generate(url, ids, p, timeout):
+    """/v1/completions with a token-id prompt -> (sampled ids, their logprobs, experts (T-1, layers, k) or None)."""
+    c = _http(url + "/v1/completions", {
+        "prompt": ids, "max_tokens": p["max_new_tokens"], "temperature": p["temperature"], "top_p": p["top_p"],
+        "top_k": p["top_k"] or -1, "stop_token_ids": p["stop_ids"], "seed": p["seed"], "logprobs": 0,  # sampled only
+        "return_token_ids": True, "skip_special_tokens": False}, timeout)["choices"][0]
+    experts = c.get("routed_experts")  # base64 of .npy bytes
+    return c["token_ids"], c["logprobs"]["token_logprobs"], experts and np.load(io.BytesIO(base64.b64decode(experts)))
+
+
+def vllm_load_weights(url, path, timeout):
+    """Reload weights in place from `path`, between a pause (running requests finish) and a resume."""
+    _http(url + "/pause?mode=wait", {}, timeout)
+    _http(url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}, timeout)
+    if not _http(url + "/reset_prefix_cache", {}, timeout)["success"]:
+        raise ServerError(f"{url}: /reset_prefix_cache failed after loading {path}")
+    _http(url + "/resume", {}, timeout)
+
+
+def sglang_command(model_dir, port, cfg, moe):
+    argv = ["-m", "sglang.launch_server", "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", cfg.dtype, "--context-length", str(cfg.engine_max_len), "--random-seed", str(cfg.seed),
+            "--sampling-defaults", "openai"]  # no sampling defaults from the checkpoint: ours are explicit
+    return argv + ["--enable-return-routed-experts"] * moe, {}
+
+
+def sglang_generate(url, ids, p, timeout):
+    """The native /generate with input_ids; meta_info.output_token_logprobs holds (logprob, id, _) per token."""
+    m = _http(url + "/generate", {
+        "input_ids": ids, "return_logprob": True, "return_routed_experts": p["experts"],
+        "sampling_params": {"max_new_tokens": p["max_new_tokens"], "temperature": p["temperature"], "top_p": p["top_p"],
+                            "top_k": p["top_k"] or -1, "stop_token_ids": p["stop_ids"], "sampling_seed": p["seed"],
+                            "skip_special_tokens": False, "no_stop_trim": True}}, timeout)["meta_info"]
+    out = m["output_token_logprobs"]
+    experts = m.get("routed_experts")  # base64 of int32 (T-1, layers, k)
+    return [t[1] for t in out], [t[0] for t in out], experts and np.frombuffer(base64.b64decode(experts), np.int32)
+
+
+def sglang_load_weights(url, path, timeout):
+    """Load `path` in place (it waits for running requests and flushes the radix cache), then flush again
+    to be sure: a cached prefix computed by the old weights must not be reused."""
+    _http(url + "/update_weights_from_disk", {"model_path": path, "flush_cache": True}, timeout)
+    _http(url + "/flush_cache", {}, timeout)
+
+
+SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weights=vllm_load_weights),
+           "sglang": dict(command=sglang_command, generate=sglang_generate, load_weights=sglang_load_weights)}
+
+
+class ServerEngine:
+    """Agents' requests go round-robin to the servers (data parallel), one HTTP call each in a thread.
+    `run()` watches the shared version and moves every server to new weights between requests."""
+
+    def __init__(self, kind, urls, *, model_config, weights_dir, logs=None, temperature=1.0, top_p=1.0, top_k=0,
+                 max_new_tokens=16, max_len=512, stop_ids=(), seed=0, version=None, timeout=600.0, concurrency=64):
+        self.api, self.urls, self.logs = SERVERS[kind], list(urls), list(logs or [None] * len(urls))
+        self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=list(stop_ids))
+        self.max_new, self.max_len, self.seed, self.timeout = max_new_tokens, max_len, seed, timeout
+        c = model_config
+        self.moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
+        self.top_k_experts = c.num_experts_per_tok
+        self.weights_dir, self.shared_version = weights_dir, version
+        self.version = version.value if version is not None else 0  # tokens are tagged with it
+        self.loaded = None  # the version the servers hold; None: unknown, so run() loads `version` first
+        self.open, self.idle = asyncio.Event(), asyncio.Event()  # admitting requests; none in flight
+        self.idle.set()
+        self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
+        self.calls, self.in_flight, self.t_busy = itertools.count(), 0, 0.0
+        self.tokens_generated, self.busy_s = 0, 0.0
+
+    async def generate(self, ids, max_new_tokens=None) -> Completion:
+        max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
+        if max_new <= 0:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
+        await self.open.wait()  # closed while the servers change weights
+        version, i = self.version, next(self.calls)
+        p = dict(self.params, max_new_tokens=max_new, seed=(self.seed * 1_000_003 + i) % 2**31, experts=bool(self.moe_layers))
+        self._count(+1)
+        try:
+            out, logprobs, experts = await self._call(i % len(self.urls), self.api["generate"], list(ids), p, self.timeout)
+        finally:
+            self._count(-1)
+        self.tokens_generated += len(out)
+        routing = None
+        if experts is not None and self.moe_layers:  # every fed position: (T-1, layers, k)
+            routing = torch.from_numpy(experts.astype(np.int16)).reshape(len(ids) + len(out) - 1, -1, self.top_k_experts)
+            if routing.shape[1] != len(self.moe_layers):  # a row per layer of the model: keep the MoE ones
+                routing = routing[:, self.moe_layers]
+            # (T, n_moe_layers, k) as Completion has it: -1 for the last sampled token, never fed
+            routing = torch.cat([routing, routing.new_full((1, *routing.shape[1:]), -1)])
+        return Completion(out, logprobs, [version] * len(out), routing)
+
+    def _count(self, d):
+        """Requests in flight: busy_s is the time with at least one; `idle` is set when there are none."""
+        now = time.perf_counter()
+        if self.in_flight:
+            self.busy_s += now - self.t_busy
+        self.in_flight, self.t_busy = self.in_flight + d, now
+        if self.in_flight == 0:
+            self.idle.set()
+        else:
+            self.idle.clear()
+
+    async def _call(self, k, fn, *args):
+        """fn(url of server k, *args) in a thread; any failure is a ServerError naming the server, with its log."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, self.urls[k], *args)
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{self.urls[k]} answered {e.code}: {e.read().decode(errors='replace')[-2000:]}"
+                              f"{log_tail(self.logs[k])}") from e
+        except OSError as e:  # refused, reset, timed out
+            raise ServerError(f"server {self.urls[k]} is unreachable ({e}){log_tail(self.logs[k])}") from e
+
+    async def run(self):
+        """On a new shared version: close admission, wait for the requests in flight, load the version's
+        directory on every server, reopen. Tokens sampled after that are tagged with it."""
+        while True:
+            target = self.shared_version.value if self.shared_version is not None else self.version
+            if target != self.loaded:
+                self.open.clear()
+                await self.idle.wait()
+                path = weights_path(self.weights_dir, target)
+                await asyncio.gather(*(self._call(k, self.api["load_weights"], path, self.timeout)
+                                       for k in range(len(self.urls))))
+                self.version = self.loaded = target
+                for name in os.listdir(self.weights_dir):  # older versions: no server will read them again
+                    if name[:1] == "v" and name[1:].isdigit() and int(name[1:]) < target:
+                        shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
+            self.open.set()
+            await asyncio.sleep(0.01)
+
+
+def weights_path(weights_dir, version):
+    return os.path.join(weights_dir, f"v{version}")
+
+
+def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
+    """The trainer's full state dict as a Hugging Face directory `<weights_dir>/v<version>`, written under a
+    temporary name and renamed (no server reads half of one). The embeddings are written untied, lm_head as
+    its own tensor: vLLM's in-place reload does not load a tied lm_head. -> its path"""
+    final = weights_path(weights_dir, version)
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = dict(state, **{"lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"]).clone()})
+    save_pretrained(tmp, dataclasses.replace(model_cfg, tie_word_embeddings=False), state)
+    for f in os.listdir(tokenizer_dir):
+        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(tokenizer_dir, f), tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def start_servers(cfg, model_dir, moe):
+    """cfg.server_urls: wait for those servers; else start one here. -> ([(process, log)], [(url, log)])"""
+    if cfg.server_urls:
+        urls = [u.strip().rstrip("/") for u in cfg.server_urls.split(",") if u.strip()]
+        for url in urls:
+            wait_healthy(url, cfg.server_timeout)
+        return [], [(url, None) for url in urls]
+    log = os.path.join(cfg.out_dir, f"{cfg.engine}_server.log")
+    proc, url = start_server(cfg.engine, model_dir, cfg, log, moe)
+    return [(proc, log)], [(url, log)]
+
+
+def start_server(kind, model_dir, cfg, log, moe=False):
+    """Start a server as a child process (in its own process group, so stop_server reaches its workers),
+    output to `log`, and wait until it is healthy. -> (process, url)"""
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv, env = SERVERS[kind]["command"](model_dir, port, cfg, moe)
+    os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([cfg.server_python or sys.executable, *argv, *shlex.split(cfg.server_args)],
+                                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=os.environ | env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, cfg.server_timeout, proc, log)
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc, url
+
+
+def wait_healthy(url, timeout, proc=None, log=None):
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise ServerError(f"server {url} exited with code {proc.returncode} while starting{log_tail(log)}")
+        try:
+            _http(url + "/health", timeout=5)
+            return
+        except OSError:  # not listening yet, or 503 while loading
+            pass
+        if time.monotonic() > deadline:
+            raise ServerError(f"server {url} not healthy after {timeout:.0f}s (server_timeout){log_tail(log)}")
+        time.sleep(1)
+
+
+def stop_server(proc):
+    """Stop a server started by start_server and every process of its group (vLLM has engine workers)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=15)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def log_tail(path, n_bytes=3000):
+    """'; last lines of <path>: ...' for error messages ('' when there is no log)."""
+    if not path or not os.path.isfile(path):
+        return ""
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - n_bytes))
+        return f"; last lines of {path}:\n" + f.read().decode(errors="replace")

@@ -87,12 +87,16 @@ def build_model(cfg, rank, world, device, reference=False):
         if rank == 0 and not os.path.isdir(path):
             agent.make_tokenizer(path + ".tmp")
         from transformers import AutoTokenizer
-        vocab = len(AutoTokenizer.from_pretrained(path if os.path.isdir(path) else path + ".tmp")) if rank == 0 else 0
+        tok = AutoTokenizer.from_pretrained(path if os.path.isdir(path) else path + ".tmp") if rank == 0 else None
+        vocab = len(tok) if rank == 0 else 0
+        vision = dict(vision_layers=2, vision_hidden=cfg.tiny_hidden // 2, image_size=cfg.image_size,
+                      patch_size=cfg.patch_size, image_token_id=tok.convert_tokens_to_ids(agent.IMAGE_PAD) if tok else -1)
         c = ModelConfig(vocab_size=vocab, hidden_size=cfg.tiny_hidden,
                         intermediate_size=2 * cfg.tiny_hidden, num_hidden_layers=cfg.tiny_layers,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=cfg.tiny_hidden // 4,
                         num_experts=cfg.tiny_experts, num_experts_per_tok=cfg.tiny_top_k,
-                        moe_intermediate_size=cfg.tiny_hidden, max_position_embeddings=cfg.engine_max_len)
+                        moe_intermediate_size=cfg.tiny_hidden, max_position_embeddings=cfg.engine_max_len,
+                        **(vision if cfg.tiny_vision else {}))
         if rank == 0 and not os.path.isdir(path):
             torch.manual_seed(cfg.seed)
             Transformer(c).init_weights(cfg.seed).save_pretrained(path + ".tmp")
@@ -128,8 +132,9 @@ def collate(msgs, device):
         n = m["tokens"].shape[1]
         tok[:, b, :n] = m["tokens"]
         logp[b, :n] = m["logprobs"]
+    images = [m["images"] for m in msgs if m.get("images") is not None]  # (N_b, C, H, W) each, in row order
     batch = {"ids": tok[0], "loss_mask": tok[1].float(), "versions": tok[2], "rollout_logp": logp,
-             "routing": None}
+             "routing": None, "images": torch.cat(images) if images else None}  # the pixels the engine saw
     if msgs[0]["routing"] is not None:
         r0 = msgs[0]["routing"]
         routing = torch.full((r0.shape[1], B, T, r0.shape[2]), -1, dtype=torch.int16)
@@ -158,7 +163,7 @@ def train_step(model, opt, share, cfg, version, world, ref=None):
         for row, m, msg in zip(ids, b["loss_mask"].bool(), mb):  # token identity: we train what was sampled
             if not torch.equal(row[m].cpu(), msg["engine_ids"]):
                 raise AssertionError(f"episode {msg['index']}: trained token ids differ from the engine's sampled ids")
-        logits = model(ids, routing=b["routing"])  # (B, T, V), experts replayed
+        logits = model(ids, routing=b["routing"], images=b["images"])  # (B, T, V), experts replayed
         logits = logits[:, :-1].float() / cfg.temperature
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
         rollout_logp, versions = b["rollout_logp"][:, 1:], b["versions"][:, 1:]
@@ -174,7 +179,7 @@ def train_step(model, opt, share, cfg, version, world, ref=None):
             per_tok = per_tok - cfg.entropy_coef * ent
         if ref is not None:  # KL to the frozen initial policy, on the sampled tokens
             with torch.no_grad():
-                ref_logits = ref(ids, routing=b["routing"])[:, :-1].float() / cfg.temperature
+                ref_logits = ref(ids, routing=b["routing"], images=b["images"])[:, :-1].float() / cfg.temperature
                 ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
             kl = est.KL[cfg.kl_estimator](logp=logp, ref_logp=ref_logp)  # (B, T-1)
             per_tok = per_tok + cfg.kl_coef * kl

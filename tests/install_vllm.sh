@@ -3,7 +3,7 @@
 # touch ours. The tests in tests/test_servers.py run the server with this interpreter. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${NANOMOLT_VLLM_VENV:-.venv-vllm}
+VENV=.venv-vllm
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   echo "vllm already installed in $VENV"; exit 0
 fi

@@ -47,12 +47,13 @@ def reference_filter(logits, temperature, top_k, top_p):
     p = torch.softmax(logits.double() / temperature, -1)
     order = sorted(range(len(p)), key=lambda i: -p[i].item())
     keep = order[:top_k] if top_k else order
+    total = sum(p[i].item() for i in keep)  # top-p is taken of the distribution renormalised over the top-k
     kept, mass = [], 0.0
     for i in keep:
         if mass >= top_p:
             break
         kept.append(i)
-        mass += p[i].item()
+        mass += p[i].item() / total
     q = torch.zeros_like(p)
     q[kept] = p[kept] / p[kept].sum()
     return q

@@ -1,0 +1,537 @@
+"""Server engines (rollout.py, last section).
+(a) the SGLang client against a stand-in server speaking SGLang's documented /generate,
+    /update_weights_from_disk and /flush_cache shapes; process start-up failures;
+(b) vLLM for real on CPU (slow; needs tests/install_vllm.sh, which creates .venv-vllm);
+(c) SGLang for real (needs a GPU and sglang installed; skipped otherwise)."""
+import asyncio
+import base64
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+import agent
+import config
+import rollout
+from model_moe import ModelConfig, Transformer
+from rollout import ServerEngine, ServerError, TorchEngine, produce, start_server, stop_server, write_weights
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Counter:  # stands in for the shared mp.Value the trainer bumps
+    def __init__(self, value=0):
+        self.value = value
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok"))
+    agent.make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def tiny_config(vocab, experts=0, layers=2, mlp_only=()):
+    return ModelConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=experts,
+                       num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=list(mlp_only),
+                       max_position_embeddings=512)
+
+
+def drive(engine, coro_fn):
+    """Run engine.run() beside coro_fn() in one event loop; an engine error surfaces as it would in the rollout."""
+    async def main():
+        loop_task, work = asyncio.create_task(engine.run()), asyncio.create_task(coro_fn())
+        done, _ = await asyncio.wait([loop_task, work], return_when=asyncio.FIRST_COMPLETED)
+        if loop_task in done:
+            work.cancel()
+            loop_task.result()
+        loop_task.cancel()
+        return work.result()
+    return asyncio.run(main())
+
+
+# ---- (a) the SGLang client against SGLang's documented request/response shapes ----
+
+class FakeSGLang:
+    """A stand-in SGLang server (stdlib http.server in a thread). Its "model" is a deterministic function of
+    the prompt and of the weights directory last loaded; it answers in the documented shapes:
+    /generate -> {"text", "output_ids", "meta_info": {"output_token_logprobs": [[logprob, id, None], ...],
+    "routed_experts": base64 int32 (prompt+output-1, num_hidden_layers, top_k) when asked, ...}}."""
+
+    def __init__(self, vocab, layers=2, top_k=2):
+        self.vocab, self.layers, self.top_k = vocab, layers, top_k
+        self.requests, self.loaded, self.fail_update = [], None, None
+        self.gate = threading.Event()
+        self.gate.set()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                fake.requests.append((self.path, None))
+                self.reply(200, "") if self.path == "/health" else self.reply(404, "not found")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                fake.requests.append((self.path, body))
+                if self.path == "/generate":
+                    fake.gate.wait(30)
+                    self.reply(200, fake.generate(body))
+                elif self.path == "/update_weights_from_disk":
+                    if fake.fail_update or not os.path.isdir(body["model_path"]):
+                        msg = fake.fail_update or f"{body['model_path']} not found"
+                        return self.reply(400, {"success": False, "message": msg, "num_paused_requests": 0})
+                    fake.loaded = body["model_path"]
+                    self.reply(200, {"success": True, "message": "Succeeded to update model weights.",
+                                     "num_paused_requests": 0})
+                elif self.path == "/flush_cache":
+                    self.reply(200, "Cache flushed.\nPlease check backend logs for more details.\n")
+                else:
+                    self.reply(404, {"detail": "Not Found"})
+
+            def reply(self, code, obj):
+                data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def outputs(self, ids, sp):
+        salt = sum(map(ord, os.path.basename(self.loaded or "")))  # other weights, other tokens
+        out = []
+        for j in range(sp["max_new_tokens"]):
+            out.append((sum(ids) * 31 + j * 7 + salt) % self.vocab)
+            if out[-1] in sp["stop_token_ids"]:
+                break
+        return out
+
+    def generate(self, body):
+        ids, sp = body["input_ids"], body["sampling_params"]
+        out = self.outputs(ids, sp)
+        meta = {"id": "0", "finish_reason": {"type": "length", "length": len(out)}, "prompt_tokens": len(ids),
+                "completion_tokens": len(out), "cached_tokens": 0, "e2e_latency": 0.01,
+                "output_token_logprobs": [[-0.1 * (j + 1), t, None] for j, t in enumerate(out)]}
+        if body.get("return_routed_experts"):
+            T = len(ids) + len(out)
+            experts = np.array([[[(p + 3 * l + k) % 4 for k in range(self.top_k)] for l in range(self.layers)]
+                                for p in range(T - 1)], dtype=np.int32)  # (T-1, num_hidden_layers, top_k)
+            meta["routed_experts"] = base64.b64encode(experts.tobytes()).decode()
+        return {"text": "...", "output_ids": out, "meta_info": meta}
+
+    def calls(self, path):
+        return [b for p, b in self.requests if p == path]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def sglang_engine(fakes, tmp_path, c, version=None, **kw):
+    wdir = tmp_path / "engine_weights"
+    (wdir / "v0").mkdir(parents=True, exist_ok=True)
+    kw = dict(dict(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=5, stop_ids=[2], seed=3), **kw)
+    return ServerEngine("sglang", [f.url for f in fakes], model_config=c, weights_dir=str(wdir),
+                        version=version or Counter(0), **kw)
+
+
+def test_sglang_request_and_response_shapes(tmp_path):
+    # 3 layers, the middle one dense: the server reports every layer, the engine keeps the MoE ones
+    c = tiny_config(384, experts=4, layers=3, mlp_only=[1])
+    fake = FakeSGLang(384, layers=3)
+    e = sglang_engine([fake], tmp_path, c)
+    prompt = [1, 40, 41, 42]
+    comp = drive(e, lambda: e.generate(prompt))
+    # first the servers load the current version, then the request
+    assert fake.calls("/update_weights_from_disk")[0]["model_path"] == str(tmp_path / "engine_weights" / "v0")
+    assert [p for p, _ in fake.requests[:2]] == ["/update_weights_from_disk", "/flush_cache"]
+    body = fake.calls("/generate")[0]
+    assert body["input_ids"] == prompt and body["return_logprob"] is True and body["return_routed_experts"] is True
+    sp = body["sampling_params"]
+    assert sp["max_new_tokens"] == 5 and sp["temperature"] == 0.7 and sp["top_p"] == 0.9 and sp["top_k"] == -1
+    assert sp["stop_token_ids"] == [2] and isinstance(sp["sampling_seed"], int)
+    assert sp["skip_special_tokens"] is False  # ids, never text, but keep the stop token visible
+    out = fake.outputs(prompt, sp)
+    assert comp.ids == out and comp.versions == [0] * len(out)
+    assert comp.logprobs == pytest.approx([-0.1 * (j + 1) for j in range(len(out))])
+    T = len(prompt) + len(out)
+    assert comp.routing.shape == (T, 2, 2) and comp.routing.dtype == torch.int16
+    for p in range(T - 1):  # layers 0 and 2 of what the server returned
+        assert comp.routing[p].tolist() == [[(p + 3 * l + k) % 4 for k in range(2)] for l in (0, 2)]
+    assert (comp.routing[-1] == -1).all()  # the last sampled token was never fed to the model
+    fake.close()
+
+
+def test_dense_model_asks_for_no_routing_and_servers_take_turns(tmp_path):
+    fakes = [FakeSGLang(384), FakeSGLang(384)]
+    e = sglang_engine(fakes, tmp_path, tiny_config(384))
+
+    async def four():
+        return [await e.generate([1, 50 + i]) for i in range(4)]
+    comps = drive(e, four)
+    assert all(c.routing is None for c in comps)
+    assert [len(f.calls("/generate")) for f in fakes] == [2, 2]  # round-robin (data parallel)
+    assert all(b["return_routed_experts"] is False for f in fakes for b in f.calls("/generate"))
+    assert all(f.loaded == str(tmp_path / "engine_weights" / "v0") for f in fakes)
+    for f in fakes:
+        f.close()
+
+
+def test_agents_train_exactly_the_server_tokens(tmp_path, tok):
+    fake = FakeSGLang(len(tok))
+    cfg = config.load(["--group_size=2", "--prompts_per_step=2", "--max_turns=3", "--max_staleness=0"])
+    e = sglang_engine([fake], tmp_path, tiny_config(len(tok)), stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
+                      max_new_tokens=4)
+    out = queue.Queue()
+
+    async def collect():
+        prod = asyncio.create_task(produce(cfg, e, tok, out, Counter(0), 0, len(tok)))
+        msgs = []
+        while len(msgs) < 4:
+            await asyncio.sleep(0.01)
+            while not out.empty():
+                msgs.append(out.get())
+        prod.cancel()
+        return msgs
+    msgs = drive(e, collect)
+    returned = [fake.outputs(b["input_ids"], b["sampling_params"]) for b in fake.calls("/generate")]
+    for m in msgs:
+        ids, mask = m["tokens"][0], m["tokens"][1].bool()
+        assert torch.equal(ids[mask], m["engine_ids"])
+        runs, start = [], None  # each run of sampled tokens is exactly one answer of the server
+        for i, k in enumerate(mask.tolist() + [False]):
+            if k and start is None:
+                start = i
+            elif not k and start is not None:
+                runs.append(ids[start:i].tolist())
+                start = None
+        assert runs and all(r in returned for r in runs)
+        assert (m["tokens"][2][mask] == 0).all()  # versions tagged
+    fake.close()
+
+
+def test_weight_update_waits_for_running_requests_and_tags_versions(tmp_path):
+    fakes = [FakeSGLang(384), FakeSGLang(384)]
+    version = Counter(0)
+    e = sglang_engine(fakes, tmp_path, tiny_config(384), version=version)
+    wdir = tmp_path / "engine_weights"
+
+    async def scenario():
+        first = await e.generate([1, 2, 3])  # the servers now hold v0
+        for f in fakes:
+            f.gate.clear()  # the next request hangs in the server
+        running = asyncio.create_task(e.generate([1, 2, 3]))
+        await asyncio.sleep(0.2)
+        (wdir / "v1").mkdir()
+        version.value = 1  # the trainer published v1
+        await asyncio.sleep(0.2)
+        waiting = asyncio.create_task(e.generate([1, 2, 3]))  # admitted only once v1 is loaded
+        await asyncio.sleep(0.2)
+        loads = sum(len(f.calls("/update_weights_from_disk")) for f in fakes)
+        assert loads == 2 and not waiting.done()  # v0 once per server; no v1 while a request runs
+        for f in fakes:
+            f.gate.set()
+        return first, await running, await waiting
+    first, during, after = drive(e, scenario)
+    assert first.versions == during.versions == [0] * len(first.ids) and during.ids == first.ids
+    assert after.versions == [1] * len(after.ids) and after.ids != first.ids  # sampled by the new weights
+    for f in fakes:
+        assert f.loaded == str(wdir / "v1")
+        paths = [p for p, _ in f.requests]
+        assert paths.index("/flush_cache", paths.index("/update_weights_from_disk", 2)) > 0  # flushed after v1
+    assert not (wdir / "v0").exists()  # older versions are deleted once every server holds a newer one
+    for f in fakes:
+        f.close()
+
+
+def test_failed_weight_update_is_a_server_error(tmp_path):
+    fake = FakeSGLang(384)
+    fake.fail_update = "Failed to load weights: shape mismatch"
+    e = sglang_engine([fake], tmp_path, tiny_config(384))
+    with pytest.raises(ServerError, match="answered 400.*shape mismatch"):
+        drive(e, lambda: asyncio.sleep(5))
+    fake.close()
+
+
+def test_dead_server_is_an_error_with_its_log(tmp_path):
+    fake = FakeSGLang(384)
+    log = tmp_path / "server.log"
+    log.write_text("loading weights...\nRuntimeError: CUDA error: an illegal memory access was encountered\n")
+    e = sglang_engine([fake], tmp_path, tiny_config(384), logs=[str(log)])
+
+    async def die():
+        await e.generate([1, 2])
+        fake.close()
+        return await e.generate([1, 2])
+    with pytest.raises(ServerError, match=r"(?s)unreachable.*illegal memory access"):
+        drive(e, die)
+
+
+def fake_interpreter(tmp_path, script):
+    path = tmp_path / "python"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_server_that_dies_at_start_or_never_gets_healthy(tmp_path):
+    crash = fake_interpreter(tmp_path, "echo 'torch.OutOfMemoryError: CUDA out of memory' >&2\nexit 3\n")
+    cfg = config.load([f"--out_dir={tmp_path}", "--engine=sglang", f"--server_python={crash}"])
+    with pytest.raises(ServerError, match=r"(?s)exited with code 3 while starting.*CUDA out of memory"):
+        start_server("sglang", str(tmp_path), cfg, str(tmp_path / "a.log"))
+    (tmp_path / "python").unlink()
+    slow = fake_interpreter(tmp_path, "echo 'loading shards 1/80'\nexec sleep 60\n")
+    cfg = config.load([f"--out_dir={tmp_path}", "--engine=sglang", f"--server_python={slow}", "--server_timeout=2"])
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=r"(?s)not healthy after 2s \(server_timeout\).*loading shards"):
+        start_server("sglang", str(tmp_path), cfg, str(tmp_path / "b.log"))
+    assert time.monotonic() - t0 < 20  # and the stuck process was killed, not waited for
+
+
+# ---- (b) vLLM for real, on CPU ----
+
+VLLM_PYTHON = os.environ.get("NANOMOLT_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
+needs_vllm = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON),
+                                reason=f"vLLM not installed at {VLLM_PYTHON}: run tests/install_vllm.sh")
+# vLLM 0.32 on CPU serves the tiny MoE correctly, but its in-place weight reload corrupts the CPU-prepacked
+# expert weights (outputs match neither the old nor the new weights); these tests use a dense tiny Qwen3.
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, tok_dir, tok):
+    out = tmp_path_factory.mktemp("vllm")
+    cfg = config.load([f"--out_dir={out}", "--engine=vllm", f"--server_python={VLLM_PYTHON}",
+                       "--server_args=--enforce-eager", "--engine_max_len=256", "--server_timeout=300"])
+    c = tiny_config(len(tok))
+    model = Transformer(c).init_weights(0, std=0.3)
+    wdir = str(out / "engine_weights")
+    t0 = time.monotonic()
+    proc, url = start_server("vllm", write_weights(wdir, c, tok_dir, 0, model.state_dict()), cfg, str(out / "vllm.log"))
+    print(f"vLLM server healthy after {time.monotonic() - t0:.0f}s")
+    yield dict(proc=proc, url=url, log=str(out / "vllm.log"), cfg=c, model=model, wdir=wdir, out=out)
+    stop_server(proc)
+
+
+def vllm_engine(s, tok, version, **kw):
+    kw = dict(dict(temperature=1.0, max_new_tokens=6, max_len=256, seed=0), **kw)
+    return ServerEngine("vllm", [s["url"]], logs=[s["log"]], model_config=s["cfg"], weights_dir=s["wdir"],
+                        stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], version=version, **kw)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_episodes_are_the_server_tokens_with_versions_and_logprobs(vllm_server, tok):
+    e = vllm_engine(vllm_server, tok, Counter(0))
+    returned, generate = [], e.api["generate"]
+
+    def recording(*args):  # what the server answered, before any of our code touches it
+        r = generate(*args)
+        returned.append(list(r[0]))
+        return r
+    e.api = dict(e.api, generate=recording)
+    cfg = config.load(["--group_size=2", "--prompts_per_step=2", "--max_turns=2", "--max_staleness=0"])
+    out = queue.Queue()
+
+    async def collect():
+        prod = asyncio.create_task(produce(cfg, e, tok, out, Counter(0), 0, len(tok)))
+        msgs = []
+        while len(msgs) < 4:
+            await asyncio.sleep(0.05)
+            while not out.empty():
+                msgs.append(out.get())
+        prod.cancel()
+        return msgs
+    msgs = drive(e, collect)
+    diffs = []
+    for m in msgs:
+        ids, mask = m["tokens"][0], m["tokens"][1].bool()
+        assert torch.equal(ids[mask], m["engine_ids"]) and (m["tokens"][2][mask] == 0).all()
+        sampled = m["engine_ids"].tolist()
+        assert any(sampled[:len(r)] == r for r in returned)  # the first turn is one answer of the server
+        with torch.no_grad():  # trainer-side recompute with model_moe on the same ids
+            logp = torch.log_softmax(vllm_server["model"](ids[None])[0, :-1].double(), -1)
+        lp = logp.gather(-1, ids[1:, None])[:, 0]
+        diffs.append((lp[mask[1:]] - m["logprobs"][mask].double()).abs())
+    d = torch.cat(diffs)
+    print(f"trainer vs vLLM logprob |diff| over {d.numel()} tokens: mean {d.mean():.2e}, max {d.max():.2e}")
+    assert d.numel() > 0 and d.mean() < 1e-4 and d.max() < 1e-3  # float32 on both sides
+
+
+def topk_then_topp(logits, temperature, top_k, top_p):
+    """vLLM's order: top-k, renormalise, then the smallest set whose (renormalised) mass reaches top_p."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    kept = p.topk(top_k).indices.tolist()
+    q = p[kept] / p[kept].sum()
+    mass, keep = 0.0, []
+    for i, qi in sorted(zip(kept, q.tolist()), key=lambda x: -x[1]):
+        if mass >= top_p:
+            break
+        keep.append(i)
+        mass += qi
+    out = torch.zeros_like(p)
+    out[keep] = p[keep] / p[keep].sum()
+    return out
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_logprobs_are_of_the_filtered_distribution(vllm_server, tok):
+    """With temperature, top-k and top-p the server's logprob is that of the distribution it sampled from
+    (--logprobs-mode processed_logprobs). vLLM applies top-p to the distribution renormalised after top-k;
+    the torch engine to the one before: the same knobs keep different sets (recorded either way)."""
+    e = vllm_engine(vllm_server, tok, Counter(0), temperature=0.8, top_k=20, top_p=0.7, max_new_tokens=8)
+    prompts = [[1, 40 + i, 60, 70 + i] for i in range(4)]
+
+    async def sample():
+        return [await e.generate(p) for p in prompts]
+    for p, c in zip(prompts, drive(e, sample)):
+        with torch.no_grad():
+            logits = vllm_server["model"](torch.tensor([p + c.ids]))[0]
+        for j, (t, lp) in enumerate(zip(c.ids, c.logprobs)):
+            q = topk_then_topp(logits[len(p) - 1 + j], 0.8, 20, 0.7)
+            assert q[t] > 0, "sampled a token outside the top-k / top-p set"
+            assert abs(q[t].log().item() - lp) < 1e-4
+
+
+def greedy_torch(model, prompts, stop_id, n=6):
+    e = TorchEngine(model, slots=4, max_len=256, temperature=0, max_new_tokens=n, stop_ids=[stop_id])
+
+    async def main():
+        loop_task = asyncio.create_task(e.run())
+        outs = await asyncio.gather(*(e.generate(p) for p in prompts))
+        loop_task.cancel()
+        return [c.ids for c in outs]
+    return asyncio.run(main())
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_greedy_matches_torch_and_a_weight_update_takes_effect(vllm_server, tok, tok_dir):
+    s, stop = vllm_server, tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = [agent.prompt_ids(tok, t) for t in ("Guess my number from 1 to 7.", "What is 3*4+5?", "2+2=")]
+    version = Counter(0)
+    e = vllm_engine(s, tok, version, temperature=0)
+    new = Transformer(s["cfg"]).init_weights(7, std=0.3)
+
+    async def scenario():
+        before = [await e.generate(p) for p in prompts]
+        write_weights(s["wdir"], s["cfg"], tok_dir, 1, new.state_dict())
+        version.value = 1  # as Rollout.publish does
+        t0 = time.monotonic()
+        while e.version != 1:
+            await asyncio.sleep(0.05)
+        print(f"vLLM weight update (tiny model, disk path): {time.monotonic() - t0:.2f}s")
+        return before, [await e.generate(p) for p in prompts]
+    before, after = drive(e, scenario)
+    old_greedy, new_greedy = greedy_torch(s["model"], prompts, stop), greedy_torch(new, prompts, stop)
+    assert [c.ids for c in before] == old_greedy and all(c.versions == [0] * len(c.ids) for c in before)
+    assert [c.ids for c in after] == new_greedy and all(c.versions == [1] * len(c.ids) for c in after)
+    assert new_greedy != old_greedy
+    assert not os.path.exists(os.path.join(s["wdir"], "v0"))
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_train_loop_against_vllm(tmp_path):
+    """The whole async loop with engine=vllm: on-policy, so every step loads new weights into the server;
+    every trained token was sampled by the server under the weights that train it."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           f"--out_dir={tmp_path}", "--engine=vllm", f"--server_python={VLLM_PYTHON}", "--server_args=--enforce-eager",
+           "--tiny_experts=0", "--prompts_per_step=2", "--group_size=4", "--max_steps=3", "--max_staleness=0",
+           "--ckpt_every=0", "--dump_every=0"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, env=env, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:] + rollout.log_tail(str(tmp_path / "vllm_server.log"))
+    ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["policy_version"] for m in ms] == [1, 2, 3]
+    for m in ms:
+        assert m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] > 0
+        assert m["mismatch/logprob_abs_diff"] < 1e-4, m
+    print("mismatch/logprob_abs_diff per step:", [f"{m['mismatch/logprob_abs_diff']:.1e}" for m in ms],
+          "time/weight_sync:", [round(m["time/weight_sync"], 3) for m in ms])
+    assert not {"v0", "v1"} & set(os.listdir(tmp_path / "engine_weights"))  # older versions are deleted
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_killed_vllm_server_is_a_clear_error(vllm_server, tok):  # last: it kills the module's server
+    e = vllm_engine(vllm_server, tok, Counter(1))
+
+    async def kill_then_generate():
+        await e.generate([1, 2, 3])
+        os.killpg(vllm_server["proc"].pid, 9)  # the server and its engine workers crash
+        vllm_server["proc"].wait()
+        return await e.generate([1, 2, 3])
+    with pytest.raises(ServerError, match=r"(?s)unreachable.*last lines of .*vllm.log"):
+        drive(e, kill_then_generate)
+
+
+# ---- (c) SGLang for real (a GPU machine with sglang) ----
+
+SGLANG_PYTHON = os.environ.get("NANOMOLT_SGLANG_PYTHON", sys.executable)
+
+
+def sglang_available():
+    if not torch.cuda.is_available() or not os.path.exists(SGLANG_PYTHON):
+        return False
+    return subprocess.run([SGLANG_PYTHON, "-c", "import sglang"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sglang_available(), reason="needs a GPU and sglang installed (NANOMOLT_SGLANG_PYTHON)")
+@pytest.mark.parametrize("experts", [0, 4])
+def test_sglang_serves_a_saved_checkpoint_greedy_matches_torch_and_updates(tmp_path, tok_dir, tok, experts):
+    c = tiny_config(len(tok), experts=experts)
+    cfg = config.load([f"--out_dir={tmp_path}", "--engine=sglang", f"--server_python={SGLANG_PYTHON}",
+                       "--engine_max_len=256", "--server_args=" + os.environ.get(
+                           "NANOMOLT_SGLANG_ARGS", "--attention-backend triton --mem-fraction-static 0.2")])
+    old, new = Transformer(c).init_weights(0, std=0.3), Transformer(c).init_weights(7, std=0.3)
+    wdir = str(tmp_path / "engine_weights")
+    proc, url = start_server("sglang", write_weights(wdir, c, tok_dir, 0, old.state_dict()), cfg,
+                             str(tmp_path / "sglang.log"), moe=experts > 0)
+    try:
+        stop = tok.convert_tokens_to_ids("<|im_end|>")
+        prompts = [agent.prompt_ids(tok, t) for t in ("Guess my number from 1 to 7.", "What is 3*4+5?")]
+        version = Counter(0)
+        e = ServerEngine("sglang", [url], logs=[str(tmp_path / "sglang.log")], model_config=c, weights_dir=wdir,
+                         temperature=0, max_new_tokens=6, max_len=256, stop_ids=[stop], version=version)
+
+        async def scenario():
+            before = [await e.generate(p) for p in prompts]
+            write_weights(wdir, c, tok_dir, 1, new.state_dict())
+            version.value = 1
+            while e.version != 1:
+                await asyncio.sleep(0.05)
+            return before, [await e.generate(p) for p in prompts]
+        before, after = drive(e, scenario)
+        assert [x.ids for x in before] == greedy_torch(old, prompts, stop)
+        assert [x.ids for x in after] == greedy_torch(new, prompts, stop)
+        assert all(x.versions == [1] * len(x.ids) for x in after)
+        if experts:  # the experts SGLang routed to are the ones model_moe routes to, for every fed position
+            for p, x in zip(prompts, after):
+                with torch.no_grad():
+                    _, routing = new(torch.tensor([p + x.ids]), return_routing=True)  # (L, 1, T, k)
+                want = routing[:, 0, :-1].transpose(0, 1).sort(-1).values
+                assert torch.equal(x.routing[:-1].long().sort(-1).values, want)
+    finally:
+        stop_server(proc)
