@@ -160,7 +160,7 @@ class TorchEngine:
     def step(self):
         """One engine iteration. Returns the number of rows that decoded."""
         t0 = time.perf_counter()
-        lock = self.lock if self.lock is not None else _NoLock()
+        lock = self.lock if self.lock is not None else contextlib.nullcontext()
         with lock:  # the trainer cannot swap weights in the middle of a forward
             if self.shared_version is not None and self.shared_version.value != self.version:
                 if self.source is not None:
@@ -205,14 +205,6 @@ class TorchEngine:
                 await self.wake.wait()
             self.step()
             await asyncio.sleep(0)  # let agents react to finished rows before the next step
-
-
-class _NoLock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 class Policy:
