@@ -287,6 +287,9 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)
         x = self.model.embed_tokens(ids) if embeds is None else embeds  # (B, T, C)
+        if images is None and c.vision_layers and torch.is_grad_enabled():
+            # under FSDP every rank's encoder joins backward, a rank without images too (its gradients: zeros)
+            images = x.new_zeros(0, c.image_channels, c.image_size, c.image_size)
         if images is not None:
             x = self.splice_images(ids, x, images)
         # rotary tables in fp32, as the reference computes them

@@ -1,5 +1,6 @@
 """Run by tests/test_train.py under torchrun (2 gloo ranks) and in one process: one train_step on a fixed
-batch; rank 0 saves the full gradients and updated weights for the test to compare."""
+batch; rank 0 saves the full gradients and updated weights for the test to compare. With `vision`, a model with
+a vision encoder, and only the even rows (rank 0's share) carry images: rank 1's encoder sees none."""
 import sys
 
 import torch
@@ -11,26 +12,31 @@ from model_moe import ModelConfig, Transformer
 
 
 def make_msgs(model, n, seed):
-    g = torch.Generator().manual_seed(seed)
+    g, c = torch.Generator().manual_seed(seed), model.config
     msgs = []
     for i in range(n):
         T = int(torch.randint(6, 14, (1,), generator=g))
-        ids = torch.randint(0, model.config.vocab_size, (T,), generator=g)
+        ids = torch.randint(0, c.vocab_size - 1, (T,), generator=g)  # the last id is the image placeholder
+        images = None
+        if c.vision_layers and i % 2 == 0:
+            ids = torch.cat([ids[:2], torch.full((c.n_patches,), c.image_token_id), ids[2:]])
+            T, images = T + c.n_patches, torch.rand(1, c.image_channels, c.image_size, c.image_size, generator=g)
         mask = (torch.rand(T, generator=g) < 0.6).long()
         mask[0], mask[-1] = 0, 1
         with torch.no_grad():
-            _, routing = model(ids[None], return_routing=True)  # (L, 1, T, k)
+            _, routing = model(ids[None], return_routing=True, images=images)  # (L, 1, T, k)
         msgs.append({"tokens": torch.stack([ids, mask, torch.where(mask == 1, 0, -1)]),
                      "logprobs": -torch.rand(T, generator=g) * mask, "routing": routing[:, 0].transpose(0, 1).short(),
-                     "engine_ids": ids[mask == 1], "reward": float(i % 3), "group": i // 3, "index": i, "info": {}})
+                     "engine_ids": ids[mask == 1], "reward": float(i % 3), "group": i // 3, "index": i, "info": {}, "images": images})
     return msgs
 
 
-def main(out):
+def main(out, vision=False):
     rank, world, device = train.compute_init()
     cfg = config.load(["--micro_batch=2", "--grad_clip=0.5", "--max_staleness=0"])
     c = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+                    num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    **(dict(vision_layers=1, vision_hidden=16, image_size=8, patch_size=4, image_token_id=49) if vision else {}))
     model = Transformer(c).init_weights(0, std=0.2)
     msgs = make_msgs(model, 7, 1)
     if world > 1:
@@ -57,4 +63,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], vision=sys.argv[2:] == ["vision"])

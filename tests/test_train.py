@@ -11,11 +11,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
 
-def test_fsdp_two_ranks_equal_one_process(tmp_path):
-    worker = os.path.join(ROOT, "tests", "fsdp_worker.py")
-    subprocess.run([sys.executable, worker, str(tmp_path / "one.pt")], check=True, env=ENV, cwd=ROOT, timeout=300)
+@pytest.mark.parametrize("vision", [False, True])  # vision: rank 0 has images, rank 1 none (its encoder idles)
+def test_fsdp_two_ranks_equal_one_process(tmp_path, vision):
+    worker, arg = os.path.join(ROOT, "tests", "fsdp_worker.py"), ["vision"] if vision else []
+    subprocess.run([sys.executable, worker, str(tmp_path / "one.pt"), *arg], check=True, env=ENV, cwd=ROOT, timeout=300)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
-                    str(tmp_path / "two.pt")], check=True, env=ENV, cwd=ROOT, timeout=300)
+                    str(tmp_path / "two.pt"), *arg], check=True, env=ENV, cwd=ROOT, timeout=120)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     for kind in ("grads", "weights"):
         assert one[kind].keys() == two[kind].keys()
