@@ -90,6 +90,7 @@ class Config:
             ("patch_size", self.patch_size >= 1 and self.image_size % self.patch_size == 0, "must divide image_size"),
             ("tiny_vision", self.tiny_vision or not (self.model == "tiny" and self.task == "count"),
              "must be true for the image task count on the tiny model"),
+            ("engine", self.engine == "torch" or not self.tiny_vision, "takes no images: use engine=torch (README, Images)"),
             ("temperature", self.temperature > 0, "must be > 0 (the recorded logprobs need a sampling distribution)"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),
