@@ -161,7 +161,7 @@ async def model_turn(llm, ep: Episode) -> str:
 # parent (and the rollout process has threads); the prelude runs in a fresh single-threaded interpreter.
 _PRELUDE = """
 import ctypes, os, resource, struct, sys
-uid, mem, nproc, cpu = map(int, sys.argv[1:5]); sys.argv = ["main.py"]
+uid, mem, nproc, cpu, parent = map(int, sys.argv[1:6]); sys.argv = ["main.py"]
 libc = ctypes.CDLL(None, use_errno=True)
 def check(r):
     if r < 0: raise OSError(ctypes.get_errno(), "sandbox setup failed")
@@ -179,6 +179,8 @@ if uid >= 0:  # drop root, but keep CAP_DAC_READ_SEARCH so a Python under /root 
     check(libc.prctl(8, 1, 0, 0, 0))  # PR_SET_KEEPCAPS
     os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
     check(libc.capset(struct.pack("Ii", 0x20080522, 0), struct.pack("6I", 1 << 2, 1 << 2, 0, 0, 0, 0)))
+check(libc.prctl(1, 9, 0, 0, 0))  # PR_SET_PDEATHSIG: SIGKILL when the caller dies (after setresuid: it clears it)
+if os.getppid() != parent: os._exit(137)  # the caller died before that line
 exec(compile(open("main.py", "rb").read(), "main.py", "exec"), {"__name__": "__main__"})
 """
 _calls = itertools.count()
@@ -195,7 +197,7 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
         if uid >= 0:
             os.chown(tmp, uid, uid)
         # -I -S: ignore PYTHON* variables, cwd and site-packages; -u: keep prints and tracebacks in order.
-        args = [str(uid), str(memory_mb), str(max_procs), str(math.ceil(timeout_s) + 1)]  # CPU s: backstop
+        args = [str(a) for a in (uid, memory_mb, max_procs, math.ceil(timeout_s) + 1, os.getpid())]  # CPU s: backstop
         # Our own pipe for stdout+stderr: asyncio's proc.wait() also waits for the pipes it made to close,
         # so a background child holding one would stall the call until the timeout.
         rfd, wfd = os.pipe()

@@ -70,7 +70,7 @@ class Config:
     grad_clip: float = 1.0  # clip the global gradient norm (after reduction across ranks)
     micro_batch: int = 64  # episodes per forward/backward
     max_staleness: int = 1  # max policy versions between sampling a token and training on it; 0 = on-policy
-    queue_size: int = 256  # episodes buffered between rollout and trainer (back-pressure beyond)
+    queue_size: int = 32  # finished groups buffered between rollout and trainer (back-pressure beyond)
     max_bad_steps: int = 3  # stop after this many non-finite losses in a row (each one is skipped)
 
     def __post_init__(self):
@@ -95,7 +95,7 @@ class Config:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),
             ("correction_low", self.correction_low < 1 < self.correction_high, "need correction_low < 1 < correction_high"),
-            ("queue_size", self.queue_size >= self.batch_size, f"must hold one batch ({self.batch_size} episodes)"),
+            ("queue_size", self.queue_size >= self.prompts_per_step, f"must hold one batch ({self.prompts_per_step} groups)"),
         ]
         import estimators  # the variant names live beside the functions
         for key, table in (("advantage", estimators.ADVANTAGES), ("policy_loss", estimators.POLICY_LOSSES),

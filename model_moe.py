@@ -104,9 +104,9 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rope(x, cos, sin):  # x (B, H, T, D); rotate-half convention of the Qwen/Llama checkpoints
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def rope(x, cos, sin):  # x (B, H, T, D); rotate-half convention of the Qwen/Llama checkpoints: x * cos +
+    # cat(-x2, x1) * sin, as (x2, x1) * (-sin, sin) (sin comes signed): the halves swap with one flip of a view
+    return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin
 
 
 class Attention(nn.Module):
@@ -165,22 +165,27 @@ class MoE(nn.Module):
             weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        # group the N*k (token, expert) pairs by expert: one matmul per expert over its tokens
-        flat = experts.flatten()  # (N*k,)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.w_gate.shape[0]).tolist()
-        token = order // self.top_k
-        xs = x[token]  # (N*k, H), sorted by expert
-        out = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                h = xs[start:start + n]
-                out[start:start + n] = (F.silu(h @ self.w_gate[e].T) * (h @ self.w_up[e].T)) @ self.w_down[e].T
-                start += n
-        out = out * weights.flatten()[order, None]
-        y = torch.zeros_like(x).index_add_(0, token, out)
+        # group the N*k (token, expert) pairs by expert
+        E, H, k = len(self.w_gate), shape[-1], self.top_k
+        flat = experts.flatten()  # (N*k,) in token order
+        counts = torch.bincount(flat, minlength=E)
+        order = flat.argsort(stable=True)  # grouped by expert
+        if x.is_cpu and not torch.is_grad_enabled() and E * (C := int(counts.max())) < 4 * len(flat):
+            # generation on CPU, few rows per expert: pad each expert's rows to C, three batched matmuls over
+            # (E, C, H). Each matmul may wake the BLAS threads: three wake-ups per layer, not three per expert.
+            # (Training keeps grouped_mm: no padded activations saved for backward, no host sync on GPU.)
+            rank = torch.empty_like(flat)  # of each pair among its expert's rows
+            rank[order] = torch.arange(len(flat), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
+            at = flat * C + rank  # (N*k,) row of each pair in the padded (E * C, H) layout
+            xs = x.new_zeros(E * C, H).index_copy(0, at, x.repeat_interleave(k, 0)).view(E, C, H)
+            h = F.silu(torch.bmm(xs, self.w_gate.mT)) * torch.bmm(xs, self.w_up.mT)  # (E, C, I)
+            out = torch.bmm(h, self.w_down.mT).view(E * C, H)[at]  # (N*k, H) in token order
+        else:  # one grouped matmul (a matmul per expert over its rows, no host sync) per projection
+            ends = counts.cumsum(0).to(torch.int32)  # expert e's rows end at ends[e]
+            xs = x[order // k]  # (N*k, H), grouped by expert
+            h = F.silu(F.grouped_mm(xs, self.w_gate.mT, offs=ends)) * F.grouped_mm(xs, self.w_up.mT, offs=ends)
+            out = F.grouped_mm(h, self.w_down.mT, offs=ends)[order.argsort()]  # (N*k, H) in token order
+        y = (out.view(-1, k, H) * weights[..., None].to(x.dtype)).sum(1)  # each token's k rows, weighted
         return y.reshape(shape), experts.reshape(*shape[:-1], self.top_k)
 
 
@@ -211,16 +216,27 @@ class KVCache:
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
-    def bind(self, layer, slots, positions, n_keys):
-        def update(k, v):  # k, v (B, nkv, T, hd) -> the slots' keys (B, nkv, n_keys, hd)
-            b = slots[:, None].expand_as(positions)
-            self.k[layer][b, :, positions] = k.transpose(1, 2)
-            self.v[layer][b, :, positions] = v.transpose(1, 2)
-            # the same values as k[layer, slots, :, :n_keys], ~5x faster on CPU: advanced indexing copies
-            # element by element, index_select copies each slot's keys as whole rows
-            return (self.k[layer].narrow(2, 0, n_keys).index_select(0, slots),
-                    self.v[layer].narrow(2, 0, n_keys).index_select(0, slots))
-        return update
+    def bind(self, slots, positions):
+        """For one forward of rows in slots (B,) at positions (B, T): -> n_keys and, per layer i, kv(i): a
+        function (k, v) (B, nkv, T, hd) -> the slots' keys and values (B, nkv, n_keys, hd), these written in."""
+        nkv, L, hd = self.k.shape[2:]
+        n_keys, B, first = int(positions.max()) + 1, len(slots), int(slots[0])
+        # row of each (slot, head, position) in a layer's (S * nkv * max_len, hd) view: a write is one
+        # index_copy_, computed once for all layers (advanced indexing per layer cost ~10% of a decode step)
+        at = ((slots[:, None, None] * nkv + torch.arange(nkv, device=slots.device)[:, None]) * L + positions[:, None]).flatten()
+        # slots first, first+1, ... (the engine's rows when all slots are busy): read them as a view, no copy
+        in_order = torch.equal(slots, torch.arange(first, first + B, device=slots.device))
+
+        def kv(i):
+            def update(k, v):
+                out = []
+                for cache, new in ((self.k[i], k), (self.v[i], v)):
+                    cache.view(-1, hd).index_copy_(0, at, new.reshape(-1, hd))
+                    keys = cache.narrow(2, 0, n_keys)
+                    out.append(keys.narrow(0, first, B) if in_order else keys.index_select(0, slots))
+                return out
+            return update
+        return n_keys, kv
 
 
 class VisionEncoder(nn.Module):
@@ -294,11 +310,11 @@ class Transformer(nn.Module):
             x = self.splice_images(ids, x, images)
         # rotary tables in fp32, as the reference computes them
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=ids.device).float() / c.head_dim))
-        freqs = positions[..., None].float() * inv_freq  # (B, T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hd)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        freqs = positions[:, None, :, None].float() * inv_freq  # (B, 1, T, hd/2)
+        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)  # (B, 1, T, hd)
         if cache is not None:
-            n_keys = int(positions.max()) + 1
+            n_keys, kv = cache.bind(slots, positions)
             mask = torch.arange(n_keys, device=ids.device) <= positions[..., None]  # (B, T, n_keys)
         else:
             n_keys = T
@@ -308,11 +324,10 @@ class Transformer(nn.Module):
         mask = mask[:, None]  # (B, 1, T, n_keys)
         routes, j = [], 0
         for i, layer in enumerate(self.model.layers):
-            kv = cache.bind(i, slots, positions, n_keys) if cache is not None else None
             replay = None
             if routing is not None and isinstance(layer.mlp, MoE):
                 replay, j = routing[j], j + 1
-            x, experts = layer(x, cos, sin, mask, kv, replay)
+            x, experts = layer(x, cos, sin, mask, kv(i) if cache is not None else None, replay)
             if experts is not None:
                 routes.append(experts)
         logits = self.lm_head(self.model.norm(x))

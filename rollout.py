@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import ctypes
 import itertools
 import json
 import math
@@ -64,8 +65,7 @@ def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
         sorted_logp, order = logp.sort(dim=-1, descending=True)
         p = sorted_logp.exp()
         drop_sorted = (p.cumsum(-1) - p) >= top_p
-        logp = logp.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf)
-    logp = torch.log_softmax(logp, dim=-1)  # renormalise over what was kept
+        logp = torch.log_softmax(logp.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf), dim=-1)
     ids = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
     return ids, logp.gather(-1, ids[:, None])[:, 0]
 
@@ -109,6 +109,8 @@ class TorchEngine:
 
     async def generate(self, ids, max_new_tokens=None, images=None) -> Completion:
         """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
+        if not ids or not all(isinstance(t, int) and 0 <= t < self.c.vocab_size for t in ids):  # fail this agent,
+            raise ValueError(f"prompt ids must be ints in [0, {self.c.vocab_size})")  # not the engine's next step
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
         if max_new <= 0:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
@@ -133,7 +135,7 @@ class TorchEngine:
         if rows:
             self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows), prefill=True)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # not no_grad: it also skips autograd's view and version tracking, ~20% of a small step
     def _forward(self, rows, chunks, start, prefill=False):
         """Run each row's chunk of tokens at positions start.. in its slot; returns logits at each row's
         last chunk token (B, V) and records routing for those positions. prefill: the chunks start at 0 and
@@ -176,7 +178,8 @@ class TorchEngine:
                 new.append(r)
             if new:  # prefill: the whole prompt of each new row; sample its first token
                 self._sample(new, self._forward(new, [r.ids for r in new], [0] * len(new), prefill=True))
-            rows = [r for r in self.active.values() if r not in new]
+            # in slot order: when the slots in use are consecutive (all busy), the cache reads them as a view
+            rows = [self.active[s] for s in sorted(self.active) if self.active[s] not in new]
             if rows:  # decode: feed each row's last sampled token
                 self._sample(rows, self._forward(rows, [r.ids[-1:] for r in rows], [r.fed for r in rows]))
         self.busy_s += time.perf_counter() - t0
@@ -291,9 +294,15 @@ def episode_to_msg(ep, index, engine_ids):
 def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers=None):
     """Entry of the rollout process. weights: the shared state dict the engine computes with (torch);
     servers: [(url, log path or None)] of the inference servers (vllm, sglang)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a trainer killed with -9 takes this process along
+    if os.getppid() != mp.parent_process().pid:  # ... also if it died before the line above ran
+        os._exit(1)
     torch.set_num_threads(1)
     try:
-        asyncio.run(_rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers))
+        # not asyncio.run: on an error its cleanup cancels every task at once, and a tool subprocess cancelled
+        # that way (CPython 3.11) never finishes, so the process would hang instead of exiting below
+        asyncio.new_event_loop().run_until_complete(
+            _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers))
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
@@ -332,15 +341,18 @@ async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start
 
 
 async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size):
-    """Run agents, `concurrent_agents` at a time, and put finished episodes on the queue.
-    Admission bounds staleness: episode n may start only while the live episodes (started, not failed,
-    not dropped by the trainer) number fewer than (version + 1 + max_staleness) * batch_size. With
-    max_staleness=0 this is synchronous RL: batch v is sampled entirely by weights v."""
+    """Run agents, `concurrent_agents` at a time, and put finished groups on the queue: one item per group,
+    its episodes that did not fail, once all group_size of them have ended, so a batch never splits a group
+    (its advantages compare the whole group). Admission bounds staleness: group g may start only while
+    the live groups (started, not all failed, not dropped by the trainer) number fewer than
+    (version + 1 + max_staleness) * prompts_per_step. With max_staleness=0 this is synchronous RL: batch v
+    is sampled entirely by weights v."""
     run = agent_mod.load_agent(cfg.task)
     start_version = engine.version
     counts = {"agent_errors": 0, "agent_timeouts": 0, "malformed": 0}
-    index, started, failed, running = start_index, 0, 0, {}
-    pending = deque()  # finished messages waiting for room in the queue (back-pressure)
+    G, failed, running, groups = cfg.group_size, 0, {}, {}
+    index = start_index = -(-start_index // G) * G  # whole groups only
+    pending = deque()  # finished groups waiting for room in the queue (back-pressure)
     knobs = dict(seed=cfg.seed, group_size=cfg.group_size, guess_max=cfg.guess_max, max_turns=cfg.max_turns,
                  tool_timeout=cfg.tool_timeout, tool_memory_mb=cfg.tool_memory_mb, image_size=cfg.image_size,
                  patch_size=cfg.patch_size, task_file=cfg.task_file)
@@ -358,11 +370,11 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
     while True:
         published = engine.shared_version.value if engine.shared_version is not None else engine.version
-        limit = (published - start_version + 1 + cfg.max_staleness) * cfg.batch_size + dropped.value
-        while len(running) < cfg.concurrent_agents and started - failed < limit:
+        limit = (published - start_version + 1 + cfg.max_staleness) * cfg.prompts_per_step + dropped.value
+        while len(running) < cfg.concurrent_agents and index // G - start_index // G - failed < limit:
             task = agent_mod.make_task(cfg.task, index, **knobs)
             running[asyncio.create_task(one(task, index))] = index
-            index, started = index + 1, started + 1
+            index += 1
         done = ()
         if running:
             done, _ = await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED)
@@ -376,13 +388,19 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             if err is None:
                 msg = t.result()
                 msg["stats"] = dict(counts, tokens_generated=engine.tokens_generated, engine_busy_s=engine.busy_s)
-                pending.append(msg)
-                continue
-            failed += 1
-            key = "agent_timeouts" if isinstance(err, asyncio.TimeoutError) else \
-                "malformed" if isinstance(err, Malformed) else "agent_errors"
-            counts[key] += 1
-            print(f"[rollout] episode {i} dropped ({key}): {err!r}", file=sys.stderr)
+            else:
+                msg, key = None, "agent_timeouts" if isinstance(err, asyncio.TimeoutError) else \
+                    "malformed" if isinstance(err, Malformed) else "agent_errors"
+                counts[key] += 1
+                print(f"[rollout] episode {i} dropped ({key}): {err!r}", file=sys.stderr)
+            group = groups.setdefault(i // G, [])
+            group.append(msg)
+            if len(group) == G:  # the group has ended: send what is left of it, or let another group start
+                kept = sorted((m for m in groups.pop(i // G) if m is not None), key=lambda m: m["index"])
+                if kept:
+                    pending.append(kept)
+                else:
+                    failed += 1
         while pending:
             try:
                 out_q.put_nowait(pending[0])
@@ -419,7 +437,7 @@ class Rollout:
         self.servers, self.write = servers, write  # [(server process, log path)]; the weight writer of server engines
 
     def get(self, timeout=1.0):
-        """Next episode message; raises if the rollout process or a server it uses died."""
+        """Next group: a list of episode messages; raises if the rollout process or a server it uses died."""
         while True:
             try:
                 return self.q.get(timeout=timeout)
@@ -443,7 +461,7 @@ class Rollout:
             self.version.value = version
 
     def drop(self, n):
-        """The trainer dropped n episodes (too stale): let the rollout start n more."""
+        """The trainer dropped n groups (all their episodes too stale): let the rollout start n more."""
         with self.dropped.get_lock():
             self.dropped.value += n
 

@@ -315,16 +315,17 @@ def dump_episodes(cfg, step, msgs, tokenizer, n=4):
 # ---- the loop ----
 
 def take_batch(cfg, ro, version, counters):
-    """Rank 0: batch_size episodes within the staleness bound, in data order. -> (msgs, wait seconds)."""
-    t0, msgs = time.perf_counter(), []
-    while len(msgs) < cfg.batch_size:
-        m = ro.get()
-        versions = m["tokens"][2][m["tokens"][1] == 1]
-        if (version - versions.min()).item() > cfg.max_staleness:  # past the bound: drop, count, replace
-            counters["dropped_stale"] += 1
+    """Rank 0: prompts_per_step whole groups, less their episodes past the staleness bound (dropped and
+    counted), in data order. -> (msgs, wait seconds)."""
+    t0, msgs, n_groups = time.perf_counter(), [], 0
+    while n_groups < cfg.prompts_per_step:
+        group = ro.get()
+        fresh = [m for m in group if (version - m["tokens"][2][m["tokens"][1] == 1].min()).item() <= cfg.max_staleness]
+        counters["dropped_stale"] += len(group) - len(fresh)
+        if not fresh:  # nothing left of the group: let the rollout start another
             ro.drop(1)
             continue
-        msgs.append(m)
+        msgs, n_groups = msgs + fresh, n_groups + 1
     return sorted(msgs, key=lambda m: m["index"]), time.perf_counter() - t0
 
 
@@ -416,7 +417,7 @@ def main(argv=None):
                 stats = max((m["stats"] for m in msgs), key=lambda st: st["tokens_generated"])  # the latest
                 now = time.perf_counter()
                 gen = stats["tokens_generated"] - (last_stats["tokens_generated"] if last_stats else 0)
-                data_position = max(data_position, max(m["index"] for m in msgs) + 1)
+                data_position = max(data_position, (max(m["index"] for m in msgs) // cfg.group_size + 1) * cfg.group_size)
                 info_keys = sorted({k for m in msgs for k in m["info"]})
                 metrics = {
                     "step": step, "policy_version": step, "reward/mean": rewards.mean().item(),

@@ -59,7 +59,7 @@ def assert_names(excinfo, key):
     (["--nope=1"], "nope"), (["--max_steps=abc"], "max_steps"), (["--lr=fast"], "lr"),
     (["--max_steps=1.5"], "max_steps"), (["--resume=maybe"], "resume"), (["--seed=True"], "seed"),
     (["--tiny_top_k=9"], "tiny_top_k"), (["--tiny_experts=4", "--tiny_top_k=5"], "tiny_top_k"),
-    (["--group_size=4", "--prompts_per_step=4", "--queue_size=15"], "queue_size"),
+    (["--group_size=4", "--prompts_per_step=4", "--queue_size=3"], "queue_size"),
     (["--advantage=ppo"], "advantage"), (["--policy_loss=grpo"], "policy_loss"),
     (["--correction=magic"], "correction"), (["--aggregation=sum"], "aggregation"),
     (["--kl_estimator=k4"], "kl_estimator"), (["--engine=tgi"], "engine"),

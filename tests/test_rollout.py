@@ -171,7 +171,7 @@ def collect(cfg, engine, tok, n):
         while len(msgs) < n:
             await asyncio.sleep(0.01)
             while not out.empty():
-                msgs.append(out.get())
+                msgs.extend(out.get())  # a whole group
         prod.cancel()
         loop_task.cancel()
         return msgs
@@ -241,3 +241,37 @@ def test_agent_that_raises_is_counted_and_dropped(tok, tmp_path):
     msgs = collect(cfg, engine_for(tok, 2), tok, 5)
     assert all(m["index"] % 3 != 1 for m in msgs)
     assert msgs[-1]["stats"]["agent_errors"] >= 2  # episodes 1 and 4 failed before 5 good ones arrived
+
+
+GROUP_AGENT = """
+import agent
+async def run(task, llm):
+    if task["group"] == 1 or task["index"] % 3 == 1:  # all of group 1 and the middle episode of every group fail
+        raise RuntimeError("injected")
+    return await agent.arith(task, llm)
+"""
+
+
+def test_batches_get_whole_groups_and_a_failed_group_is_replaced(tok, tmp_path):
+    """Each queue item is one group: its surviving episodes, sent once all of them have ended. A group whose
+    episodes all failed frees its place, else at max_staleness=0 the rollout would wait for it forever."""
+    (tmp_path / "groups.py").write_text(GROUP_AGENT)
+    cfg = config.load([f"--task={tmp_path / 'groups.py'}", "--group_size=3", "--prompts_per_step=2", "--max_staleness=0"])
+    engine, out = engine_for(tok, 3), queue.Queue()
+
+    async def main():
+        loop_task = asyncio.create_task(engine.run())
+        prod = asyncio.create_task(produce(cfg, engine, tok, out, Counter(), 0, len(tok)))
+        items = []
+        for _ in range(3000):  # 30 s at most
+            await asyncio.sleep(0.01)
+            while not out.empty():
+                items.append(out.get())
+            if len(items) == 2:
+                break
+        prod.cancel()
+        loop_task.cancel()
+        return items
+    items = asyncio.run(main())
+    assert sorted([m["index"] for m in g] for g in items) == [[0, 2], [6, 8]]  # group 1 failed whole, group 2 took its place
+    assert all(m["group"] == m["index"] // 3 for g in items for m in g)

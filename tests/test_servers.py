@@ -210,7 +210,7 @@ def test_agents_train_exactly_the_server_tokens(tmp_path, tok):
         while len(msgs) < 4:
             await asyncio.sleep(0.01)
             while not out.empty():
-                msgs.append(out.get())
+                msgs.extend(out.get())  # a whole group
         prod.cancel()
         return msgs
     msgs = drive(e, collect)
@@ -358,7 +358,7 @@ def test_vllm_episodes_are_the_server_tokens_with_versions_and_logprobs(vllm_ser
         while len(msgs) < 4:
             await asyncio.sleep(0.05)
             while not out.empty():
-                msgs.append(out.get())
+                msgs.extend(out.get())  # a whole group
         prod.cancel()
         return msgs
     msgs = drive(e, collect)

@@ -156,3 +156,69 @@ def test_resume_survives_a_kill_between_the_renames_and_refuses_another_architec
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     r = run_train(tmp_path, "--model=/nonexistent/qwen3", "--max_steps=1")
     assert r.returncode != 0 and "/nonexistent/qwen3/config.json: missing" in r.stderr
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path):
+    """SIGKILL to the whole run (trainer and rollout process) while it writes the step-4 checkpoint: the step-2
+    checkpoint is intact and loads, and --resume continues from step 2."""
+    import signal
+    import time
+    import types
+    from model_moe import Transformer
+    args = ["--prompts_per_step=2", "--ckpt_every=2", "--max_staleness=0"]
+    for attempt in range(3):  # a missed write window (the kill came after the rename) is retried, never passed
+        out = tmp_path / f"run{attempt}"
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+               f"--out_dir={out}", "--max_steps=100000", "--dump_every=0", *args]
+        with open(tmp_path / f"log{attempt}", "w") as log:  # own session: one killpg reaches the rollout process
+            p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
+        tmp, deadline = out / "ckpt.tmp-4", time.time() + 120
+        try:  # kill once the weights file of step 4 exists: mid-write, before trainer.pt and the renames
+            while not (tmp / "model.safetensors").exists() and p.poll() is None and time.time() < deadline:
+                time.sleep(0.0005)  # the write lasts tens of ms; a poll every 0.5 ms lands in it
+        finally:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        assert p.returncode == -signal.SIGKILL, open(tmp_path / f"log{attempt}").read()[-3000:]
+        if tmp.exists():  # killed mid-write: ckpt.tmp-4 is there, not renamed
+            break
+    else:
+        pytest.fail("never caught a checkpoint write in 3 runs")
+    import train
+    ckpt = train.latest_checkpoint(types.SimpleNamespace(out_dir=str(out)))  # ckpt, or ckpt.old between the renames
+    state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
+    assert state["step"] == 2 and state["data_position"] == 2 * 16
+    Transformer.from_pretrained(ckpt)  # complete and loadable
+    r = run_train(out, "--max_steps=6", "--resume", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in metrics(out)] == list(range(1, 7))  # steps 3.. of the killed run are logged anew
+    state = torch.load(out / "ckpt" / "trainer.pt", weights_only=False)
+    assert state["step"] == 6 and state["data_position"] == 6 * 16
+    assert sorted(f.name for f in out.iterdir() if f.name.startswith("ckpt")) == ["ckpt"]  # the partial write is gone
+
+
+def test_rollout_process_dies_with_a_killed_trainer(tmp_path):
+    """kill -9 of the trainer alone (no signal handler runs): its rollout process must not live on as an orphan."""
+    import signal
+    import time
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           f"--out_dir={tmp_path}", "--max_steps=100000", "--prompts_per_step=2", "--ckpt_every=0", "--dump_every=0"]
+    p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "metrics.jsonl").exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.2)  # a step has been trained: the rollout process is up and producing
+        children = open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
+        rollout = [int(c) for c in children if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+        assert rollout, children
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.time() + 30
+    while any(os.path.exists(f"/proc/{c}") for c in rollout) and time.time() < deadline:
+        time.sleep(0.1)
+    alive = [c for c in rollout if os.path.exists(f"/proc/{c}")]
+    for c in alive:
+        os.kill(c, signal.SIGKILL)
+    assert not alive, "the rollout process outlived its trainer"
