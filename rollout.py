@@ -12,10 +12,10 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import io
-import ctypes
 import itertools
 import json
 import math
@@ -351,7 +351,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     start_version = engine.version
     counts = {"agent_errors": 0, "agent_timeouts": 0, "malformed": 0}
     G, failed, running, groups = cfg.group_size, 0, {}, {}
-    index = start_index = -(-start_index // G) * G  # whole groups only
+    index = start_index = -(-start_index // G) * G  # resume at the first group not yet started (whole groups only)
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
     knobs = dict(seed=cfg.seed, group_size=cfg.group_size, guess_max=cfg.guess_max, max_turns=cfg.max_turns,
                  tool_timeout=cfg.tool_timeout, tool_memory_mb=cfg.tool_memory_mb, image_size=cfg.image_size,

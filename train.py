@@ -417,7 +417,7 @@ def main(argv=None):
                 stats = max((m["stats"] for m in msgs), key=lambda st: st["tokens_generated"])  # the latest
                 now = time.perf_counter()
                 gen = stats["tokens_generated"] - (last_stats["tokens_generated"] if last_stats else 0)
-                data_position = max(data_position, (max(m["index"] for m in msgs) // cfg.group_size + 1) * cfg.group_size)
+                data_position = max(data_position, max(m["index"] for m in msgs) + 1)  # the rollout resumes at a group start
                 info_keys = sorted({k for m in msgs for k in m["info"]})
                 metrics = {
                     "step": step, "policy_version": step, "reward/mean": rewards.mean().item(),

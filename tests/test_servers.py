@@ -65,6 +65,22 @@ def drive(engine, coro_fn):
     return asyncio.run(main())
 
 
+def produced(engine, cfg, tok, n):
+    """The rollout's producer (agents of cfg.task) on engine until n episodes have arrived, in whole groups."""
+    out = queue.Queue()
+
+    async def collect():
+        prod = asyncio.create_task(produce(cfg, engine, tok, out, Counter(0), 0, len(tok)))
+        msgs = []
+        while len(msgs) < n:
+            await asyncio.sleep(0.01)
+            while not out.empty():
+                msgs.extend(out.get())  # a whole group
+        prod.cancel()
+        return msgs
+    return drive(engine, collect)
+
+
 # ---- (a) the SGLang client against SGLang's documented request/response shapes ----
 
 class FakeSGLang:
@@ -202,18 +218,7 @@ def test_agents_train_exactly_the_server_tokens(tmp_path, tok):
     cfg = config.load(["--group_size=2", "--prompts_per_step=2", "--max_turns=3", "--max_staleness=0"])
     e = sglang_engine([fake], tmp_path, tiny_config(len(tok)), stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
                       max_new_tokens=4)
-    out = queue.Queue()
-
-    async def collect():
-        prod = asyncio.create_task(produce(cfg, e, tok, out, Counter(0), 0, len(tok)))
-        msgs = []
-        while len(msgs) < 4:
-            await asyncio.sleep(0.01)
-            while not out.empty():
-                msgs.extend(out.get())  # a whole group
-        prod.cancel()
-        return msgs
-    msgs = drive(e, collect)
+    msgs = produced(e, cfg, tok, 4)
     returned = [fake.outputs(b["input_ids"], b["sampling_params"]) for b in fake.calls("/generate")]
     for m in msgs:
         ids, mask = m["tokens"][0], m["tokens"][1].bool()
@@ -350,18 +355,7 @@ def test_vllm_episodes_are_the_server_tokens_with_versions_and_logprobs(vllm_ser
         return r
     e.api = dict(e.api, generate=recording)
     cfg = config.load(["--group_size=2", "--prompts_per_step=2", "--max_turns=2", "--max_staleness=0"])
-    out = queue.Queue()
-
-    async def collect():
-        prod = asyncio.create_task(produce(cfg, e, tok, out, Counter(0), 0, len(tok)))
-        msgs = []
-        while len(msgs) < 4:
-            await asyncio.sleep(0.05)
-            while not out.empty():
-                msgs.extend(out.get())  # a whole group
-        prod.cancel()
-        return msgs
-    msgs = drive(e, collect)
+    msgs = produced(e, cfg, tok, 4)
     diffs = []
     for m in msgs:
         ids, mask = m["tokens"][0], m["tokens"][1].bool()
