@@ -209,8 +209,9 @@ def trainer_setup(d, overrides=()):
     return cfg, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), tok_dir
 
 
-def guess_batch(cfg, model, tok_dir):
-    """One batch of real guess episodes sampled by the embedded engine, as the rollout process sends them."""
+def guess_batch(cfg, model, tok_dir, replay=True):
+    """One batch of real guess episodes sampled by the embedded engine, as the rollout process sends them.
+    replay False: no recorded experts (route freely)."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tok_dir)
     engine = TorchEngine(model, slots=cfg.engine_slots, max_len=cfg.engine_max_len, max_new_tokens=cfg.max_new_tokens,
@@ -221,7 +222,8 @@ def guess_batch(cfg, model, tok_dir):
         llm = rollout.Policy(engine, tok)
         ep = await run(agent_mod.make_task(cfg.task, i, seed=cfg.seed, group_size=cfg.group_size,
                                            guess_max=cfg.guess_max, max_turns=cfg.max_turns), llm)
-        return rollout.episode_to_msg(ep, i, rollout.check_tokens(ep, llm.calls))
+        msg = rollout.episode_to_msg(ep, i, rollout.check_tokens(ep, llm.calls))
+        return msg if replay else dict(msg, routing=None)
 
     async def main():
         loop = asyncio.create_task(engine.run())
@@ -235,7 +237,8 @@ def guess_batch(cfg, model, tok_dir):
     if not adv.abs().sum():  # all rewards equal: give the loss a gradient anyway (the time is what we measure)
         adv = torch.randn(len(msgs))
     n_tok = sum(float(m["tokens"][1].sum()) for m in msgs)
-    return {"msgs": msgs, "advantages": adv.tolist(), "num_tokens": n_tok, "num_seqs": float(len(msgs))}
+    return {"msgs": msgs, "advantages": adv.tolist(), "micro_batches": train.split_batch(msgs, adv.tolist(), 1, cfg.micro_batch_tokens)[0],
+            "num_tokens": n_tok, "num_seqs": float(len(msgs))}
 
 
 def embedded_publisher(model):
@@ -269,7 +272,7 @@ def bench_trainer():
         b = train.collate(share["msgs"], "cpu")  # the plain loop gets its tensors ready-made
         ids, mask = b["ids"], b["loss_mask"][:, 1:]
         A = torch.tensor(share["advantages"])[:, None]
-        tokens = ids.numel()  # positions through the model, padding included: the same for both
+        tokens = sum(m["tokens"].shape[1] for m in share["msgs"])  # episode tokens (the plain loop also runs padding)
 
         def full():  # what train.py does per step on one rank
             train.train_step(model, opt, share, cfg, 0, 1)
@@ -289,8 +292,8 @@ def bench_trainer():
             ts["publish"].append(timed(lambda: ro.publish(train.full_state(model, 1), 1), n))
         t = {k: med(w for w, _ in v) for k, v in ts.items()}  # wall seconds
         c = {k: med(cpu for _, cpu in v) for k, v in ts.items()}  # CPU seconds
-        table(f"trainer overhead: one batch of the default recipe ({len(share['msgs'])} episodes, {tuple(ids.shape)} "
-              f"tokens padded, {share['num_tokens']:.0f} trained), 1 thread on CPU 0, median of {args.repeats}x{n}",
+        table(f"trainer overhead: one batch of the default recipe ({len(share['msgs'])} episodes, {tokens} tokens, the plain loop pads to {tuple(ids.shape)}, "
+              f"{share['num_tokens']:.0f} trained), 1 thread on CPU 0, median of {args.repeats}x{n}",
               ["measure", "measured tok/s", "plain loop tok/s (baseline)", "ratio", "ratio, CPU time", "target"], [
                   ("full train step (train.train_step + publish)", f"{tokens / t['full']:,.0f}",
                    f"{tokens / t['plain']:,.0f}", f"{t['plain'] / t['full']:.2f}", f"{c['plain'] / c['full']:.2f}",
@@ -303,14 +306,15 @@ def bench_trainer():
 
 # ---- hardware use: the trainer's FLOP/s against a large matmul's ----
 
-def step_flops(c, B, T):
+def step_flops(c, B, T, n_logits=None):
     """Matmul FLOPs of one training step (forward + backward = 3x forward) on (B, T) tokens; attention counted
-    over the full T x T (as SDPA computes it here), MoE over the top-k experts a token runs."""
+    over the full T x T (as SDPA computes it here), MoE over the top-k experts a token runs; the vocabulary
+    projection over n_logits positions (default all; train.py computes it only where a token is trained)."""
     N, H, hd = B * T, c.hidden_size, c.head_dim
     attn = 2 * N * H * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 4 * B * c.num_attention_heads * T * T * hd
     mlp = [2 * N * 3 * H * c.moe_intermediate_size * c.num_experts_per_tok + 2 * N * H * c.num_experts if c.is_moe_layer(i)
            else 2 * N * 3 * H * c.intermediate_size for i in range(c.num_hidden_layers)]
-    return 3 * (c.num_hidden_layers * attn + sum(mlp) + 2 * N * H * c.vocab_size)
+    return 3 * (c.num_hidden_layers * attn + sum(mlp) + 2 * (N if n_logits is None else n_logits) * H * c.vocab_size)
 
 
 def bench_flops():
@@ -323,13 +327,14 @@ def bench_flops():
     for width in ((128,) if args.quick else (128, 256, 512)):
         with tempfile.TemporaryDirectory() as d:
             cfg, model, opt, tok_dir = trainer_setup(d, [f"--tiny_hidden={width}"])
-            share = guess_batch(cfg, model, tok_dir)
-            if width != 128:  # the same kind of batch, routed freely (a wide random model's experts)
-                share["msgs"] = [dict(m, routing=None) for m in share["msgs"]]
-            B, T = train.collate(share["msgs"], "cpu")["ids"].shape
-            fl = [step_flops(model.config, B, T) / s for s in timed(lambda: train.train_step(model, opt, share, cfg, 0, 1), n)]
+            # wider than 128: the same kind of batch, routed freely (a wide random model's experts)
+            share = guess_batch(cfg, model, tok_dir, replay=width == 128)
+            flops = sum(step_flops(model.config, len(mb), max(m["tokens"].shape[1] for m, _ in mb),  # logits: trained
+                                   int(sum(m["tokens"][1].sum() for m, _ in mb))) for mb in share["micro_batches"])  # positions only
+            B, T = len(share["msgs"]), sum(m["tokens"].shape[1] for m in share["msgs"]) / len(share["msgs"])
+            fl = [flops / s for s in timed(lambda: train.train_step(model, opt, share, cfg, 0, 1), n)]
             rows.append((f"tiny_hidden={width} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-                         f"{B}x{T} tokens)", f"{fl[0] / 1e9:.1f}", f"{peak[0] / 1e9:.1f}", f"{fl[0] / peak[0]:.0%}",
+                         f"{B} episodes, {T:.0f} tokens each on average)", f"{fl[0] / 1e9:.1f}", f"{peak[0] / 1e9:.1f}", f"{fl[0] / peak[0]:.0%}",
                          f"{fl[1] / peak[1]:.0%}", ">= 50%" if width == 128 else ""))
     table(f"hardware use: train.train_step FLOP/s (median of {n}) vs a 2048x2048 fp32 matmul (best of {3 * n}), "
           "1 thread on CPU 0", ["model", "trainer GFLOP/s (measured)", "matmul GFLOP/s (baseline)", "ratio",
@@ -383,8 +388,7 @@ def bench_publish():
     for width in (128, 512):
         with tempfile.TemporaryDirectory() as d:
             cfg, model, opt, tok_dir = trainer_setup(d, [f"--tiny_hidden={width}"])
-            share = guess_batch(cfg, model, tok_dir)
-            share["msgs"] = [dict(m, routing=None) for m in share["msgs"]] if width != 128 else share["msgs"]
+            share = guess_batch(cfg, model, tok_dir, replay=width == 128)
             ro = embedded_publisher(model)
             gb = sum(t.numel() * t.element_size() for t in train.full_state(model, 1).values()) / 1e9
             step = timed(lambda: train.train_step(model, opt, share, cfg, 0, 1), 3)[0]

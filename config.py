@@ -65,10 +65,12 @@ class Config:
     kl_coef: float = 0.0  # weight of the KL-to-reference loss (0 = no reference model)
     kl_estimator: str = "k3"  # k1 | k2 | k3
     entropy_coef: float = 0.0  # entropy bonus
+    router_aux_coef: float = 0.0  # MoE load-balancing loss weight (Switch Transformer); keeps every expert in use
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
+    adam_eps: float = 1e-8  # AdamW epsilon: gradients much smaller than it get updates smaller than lr
     grad_clip: float = 1.0  # clip the global gradient norm (after reduction across ranks)
-    micro_batch: int = 64  # episodes per forward/backward
+    micro_batch_tokens: int = 2048  # padded tokens per forward/backward (episodes sorted by length, little padding)
     max_staleness: int = 1  # max policy versions between sampling a token and training on it; 0 = on-policy
     queue_size: int = 32  # finished groups buffered between rollout and trainer (back-pressure beyond)
     max_bad_steps: int = 3  # stop after this many non-finite losses in a row (each one is skipped)
@@ -84,7 +86,7 @@ class Config:
             ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
             ("group_size", self.group_size >= 1, "must be >= 1"),
             ("prompts_per_step", self.prompts_per_step >= 1, "must be >= 1"),
-            ("micro_batch", self.micro_batch >= 1, "must be >= 1"),
+            ("micro_batch_tokens", self.micro_batch_tokens >= 1, "must be >= 1"),
             ("max_turns", self.max_turns >= 1, "must be >= 1"),
             ("guess_max", 1 <= self.guess_max <= 9, "must be in 1..9 (a guess is one digit)"),
             ("patch_size", self.patch_size >= 1 and self.image_size % self.patch_size == 0, "must divide image_size"),

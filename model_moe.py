@@ -159,9 +159,12 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, H)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        self.flips = None  # with replay: (replayed positions where this router would pick other experts, positions)
         if replay is not None:  # the experts are given (-1: not recorded, route freely);
             replay = replay.reshape(-1, self.top_k).to(x.device, torch.long)  # the weights still come
-            experts = torch.where(replay >= 0, replay, experts)  # from (and train) this router
+            rec = replay[:, 0] >= 0  # from (and train) this router
+            self.flips = torch.stack([(experts.sort(-1).values != replay.sort(-1).values).any(-1)[rec].sum(), rec.sum()])
+            experts = torch.where(replay >= 0, replay, experts)
             weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -169,10 +172,16 @@ class MoE(nn.Module):
         E, H, k = len(self.w_gate), shape[-1], self.top_k
         flat = experts.flatten()  # (N*k,) in token order
         counts = torch.bincount(flat, minlength=E)
+        # load-balancing loss (Switch Transformer, arXiv:2101.03961): E * sum_e (share of assignments to e) *
+        # (mean router probability of e); 1 when balanced. Without it, in the guess task, two experts per layer
+        # came to take ~90% of the tokens and the rest stayed untrained
+        self.aux_loss = E * (counts / len(flat) * probs.mean(0)).sum() if torch.is_grad_enabled() else None
         order = flat.argsort(stable=True)  # grouped by expert
-        if x.is_cpu and not torch.is_grad_enabled() and E * (C := int(counts.max())) < 4 * len(flat):
+        if x.is_cpu and not torch.is_grad_enabled() and E * (C := int(counts.max())) < 2 * len(flat) + 16 * E:
             # generation on CPU, few rows per expert: pad each expert's rows to C, three batched matmuls over
             # (E, C, H). Each matmul may wake the BLAS threads: three wake-ups per layer, not three per expert.
+            # Not when padding to the busiest expert would much more than double the rows (a long prefill
+            # whose routing is skewed: that made the guess rollout's matmuls half padding, ~35% of its time).
             # (Training keeps grouped_mm: no padded activations saved for backward, no host sync on GPU.)
             rank = torch.empty_like(flat)  # of each pair among its expert's rows
             rank[order] = torch.arange(len(flat), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
@@ -291,14 +300,15 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,
-                return_routing=False, embeds=None, images=None):
+                return_routing=False, embeds=None, images=None, logits_at=None):
         """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)].
         positions (B, T): rotary positions, default 0..T-1. pad_mask (B, T) bool: False on padding
         keys (left or right padding). cache/slots: KVCache and the slot of each row (B,); the tokens
         are written at their positions and attend to everything at or before them in their slot.
         routing: experts to replay. embeds (B, T, C): input embeddings to use instead of ids.
         images (N, C, H, W) float: the batch's images in row-major order of their placeholders; image i's
-        features replace the embeddings of placeholders i * n_patches .. (i + 1) * n_patches - 1."""
+        features replace the embeddings of placeholders i * n_patches .. (i + 1) * n_patches - 1.
+        logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them)."""
         c = self.config
         B, T = ids.shape
         if positions is None:
@@ -331,7 +341,10 @@ class Transformer(nn.Module):
             x, experts = layer(x, cos, sin, mask, kv(i) if cache is not None else None, replay)
             if experts is not None:
                 routes.append(experts)
-        logits = self.lm_head(self.model.norm(x))
+        moe = [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
+        self.aux_loss = sum(m.aux_loss for m in moe) / len(moe) if moe and moe[0].aux_loss is not None else None
+        self.flips = sum(m.flips for m in moe) if moe and moe[0].flips is not None else None  # over the layers
+        logits = self.lm_head(self.model.norm(x if logits_at is None else x[logits_at]))
         if return_routing:
             return logits, (torch.stack(routes) if routes else None)
         return logits

@@ -1,4 +1,4 @@
-"""plot.py: reward and trainer-vs-engine mismatch curves from a run's metrics.jsonl.
+"""plot.py: reward and trainer-vs-engine mismatch, staleness and routing-flip curves from a run's metrics.jsonl.
     python plot.py out/guess            # writes out/guess/curves.png
 """
 import json
@@ -23,6 +23,8 @@ a.legend()
 pts = [(m["step"], m["mismatch/logprob_abs_diff"]) for m in ms if m["mismatch/logprob_abs_diff"] is not None]
 b.semilogy([s for s, _ in pts], [max(v, 1e-12) for _, v in pts], ".", ms=3, label="mismatch/logprob_abs_diff")
 b.plot([m["step"] for m in ms], [m["staleness/mean"] + 1e-12 for m in ms], lw=0.8, label="staleness/mean (versions)")
+flips = [(m["step"], m["routing/flip_frac"]) for m in ms if m.get("routing/flip_frac") is not None]  # MoE only
+b.plot([s for s, _ in flips], [v + 1e-12 for _, v in flips], lw=0.8, label="routing/flip_frac (replayed experts\nthe trainer's router would not pick)")
 b.set(xlabel="step", title="trainer vs engine", ylim=(1e-9, 10))
 b.legend()
 fig.tight_layout()

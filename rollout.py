@@ -283,12 +283,38 @@ def check_tokens(ep, calls):
 # ---- the rollout process: agents -> episodes -> the shared-memory queue ----
 
 def episode_to_msg(ep, index, engine_ids):
-    """Pack an episode into a few tensors (moved to shared memory by the queue, not pickled)."""
+    """An episode as a few tensors (the queue moves them to shared memory, a group at a time: `pack`)."""
     return {"engine_ids": engine_ids, "tokens": torch.tensor([ep.ids, ep.loss_mask, ep.versions], dtype=torch.long),  # (3, T)
             "logprobs": torch.tensor(ep.logprobs, dtype=torch.float32),  # (T,)
             "routing": ep.routing, "reward": float(ep.reward), "group": ep.group, "index": index,
             "images": torch.stack(ep.images).float() if ep.images else None,  # (N, C, H, W) in placeholder order
             "info": {k: float(v) for k, v in ep.info.items()}}
+
+
+PACKED = ("engine_ids", "tokens", "logprobs", "routing", "images")  # the tensor fields of a message
+
+
+def pack(group):
+    """A group's messages -> one queue item whose tensor fields are concatenated over the episodes (tokens
+    along their last dim, the rest along their first): the queue then hands over 5 shared-memory tensors
+    per group instead of 5 per episode, each handover ~1 ms of both processes' time."""
+    item = {"msgs": [{k: v for k, v in m.items() if k not in PACKED} for m in group]}
+    for k in PACKED:
+        ts, dim = [m[k] for m in group], -1 if k == "tokens" else 0
+        kept = [t for t in ts if t is not None]
+        item[k] = torch.cat(kept, dim) if kept else None, [-1 if t is None else t.shape[dim] for t in ts]
+    return item
+
+
+def unpack(item):
+    """pack's inverse: the group's messages (their tensors are views of the shared ones)."""
+    msgs = item["msgs"]
+    for k in PACKED:
+        t, sizes = item[k]
+        parts = iter(t.split([s for s in sizes if s >= 0], -1 if k == "tokens" else 0) if t is not None else ())
+        for m, s in zip(msgs, sizes):
+            m[k] = next(parts) if s >= 0 else None
+    return msgs
 
 
 def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers=None):
@@ -297,6 +323,8 @@ def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_i
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a trainer killed with -9 takes this process along
     if os.getppid() != mp.parent_process().pid:  # ... also if it died before the line above ran
         os._exit(1)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C reaches the whole process group: the trainer alone
+        signal.signal(sig, signal.SIG_IGN)  # decides, checkpoints, then stops this process (Rollout.close)
     torch.set_num_threads(1)
     try:
         # not asyncio.run: on an error its cleanup cancels every task at once, and a tool subprocess cancelled
@@ -398,7 +426,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             if len(group) == G:  # the group has ended: send what is left of it, or let another group start
                 kept = sorted((m for m in groups.pop(i // G) if m is not None), key=lambda m: m["index"])
                 if kept:
-                    pending.append(kept)
+                    pending.append(pack(kept))
                 else:
                     failed += 1
         while pending:
@@ -440,7 +468,9 @@ class Rollout:
         """Next group: a list of episode messages; raises if the rollout process or a server it uses died."""
         while True:
             try:
-                return self.q.get(timeout=timeout)
+                return unpack(self.q.get(timeout=timeout))
+            except (OSError, EOFError) as e:  # the sender died while the item's tensors were being handed over
+                raise RuntimeError(f"rollout process died while sending episodes ({e!r})") from e
             except queue_mod.Empty:
                 for p, log in self.servers:
                     if p.poll() is not None:
@@ -455,10 +485,15 @@ class Rollout:
             self.write(version, state)
             self.version.value = version
             return
-        with self.lock:
+        while not self.lock.acquire(timeout=1.0):  # a process killed inside a forward never releases it
+            if self.proc is not None and not self.proc.is_alive():
+                raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}) holding the weights lock")
+        try:
             for k, t in state.items():
                 self.shared[k].copy_(t)
             self.version.value = version
+        finally:
+            self.lock.release()
 
     def drop(self, n):
         """The trainer dropped n groups (all their episodes too stale): let the rollout start n more."""

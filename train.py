@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import agent
 import config
@@ -112,10 +113,14 @@ def build_model(cfg, rank, world, device, reference=False):
     model = Transformer.from_pretrained(path, dtype=getattr(torch, cfg.dtype), device=device)
     if world > 1:  # FSDP2: one unit per block, the root holds embeddings, final norm and lm_head
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+        # GPU: bf16 compute, fp32 reductions. CPU (gloo): keep the gathered weights from forward to backward,
+        # as one all-gather fewer per block is worth more than the memory on a small CPU model
+        gpu = device.type == "cuda"
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if gpu else \
+            dict(reshard_after_forward=False)
         for block in model.model.layers:
-            fully_shard(block, **({"mp_policy": mp} if mp else {}))
-        fully_shard(model, **({"mp_policy": mp} if mp else {}))
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
     return model, path
 
 
@@ -144,54 +149,82 @@ def collate(msgs, device):
     return {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
 
 
+def split_batch(msgs, advantages, world, budget):
+    """Rank 0: the step's episodes -> per rank, a list of micro-batches of (msg, advantage) pairs. Sorted by
+    length and dealt in turn, so the ranks get similar work and a micro-batch pads little; a micro-batch
+    holds at most `budget` padded tokens (or one episode). Every rank gets the same number of micro-batches,
+    some maybe empty: FSDP's collectives pair up forward by forward across the ranks."""
+    pairs = sorted(zip(msgs, advantages), key=lambda p: -p[0]["tokens"].shape[1])
+    ranks = []
+    for r in range(world):
+        mbs = []
+        for p in pairs[r::world]:
+            if mbs and (len(mbs[-1]) + 1) * mbs[-1][0][0]["tokens"].shape[1] <= budget:
+                mbs[-1].append(p)
+            else:
+                mbs.append([p])
+        ranks.append(mbs)
+    n = max(1, *map(len, ranks))
+    return [mbs + [[] for _ in range(n - len(mbs))] for mbs in ranks]
+
+
 def train_step(model, opt, share, cfg, version, world, ref=None):
-    """Forward/backward over this rank's share of the batch, then one optimizer step.
-    share: {"msgs", "advantages" (per msg), "num_tokens", "num_seqs"} with step-wide token/sequence counts.
+    """Forward/backward over this rank's micro-batches, then one optimizer step.
+    share: {"micro_batches" (from split_batch), "num_tokens", "num_seqs"} with step-wide token/sequence counts.
     Returns summed metrics of this rank (reduced across ranks by the caller)."""
     device = next(model.parameters()).device
-    sums = dict.fromkeys(["loss", "tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "clip", "corr", "entropy", "kl"], 0.0)
+    sums = dict.fromkeys(["loss", "tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "clip", "corr", "entropy", "kl", "router_aux",
+                                 "flips", "flip_n"], 0.0)
     stale_max, stale_hist = 0, [0] * (cfg.max_staleness + 1)
-    msgs, adv = share["msgs"], share["advantages"]
     opt.zero_grad(set_to_none=True)  # (gradients stay readable after the step, for tests and debugging)
-    for i in range(0, max(len(msgs), 1), cfg.micro_batch):
-        mb = msgs[i:i + cfg.micro_batch]
-        if not mb:  # a rank with no episodes still joins the collectives of FSDP
+    for pairs in share["micro_batches"]:
+        if not pairs:  # this rank has no episodes here but still joins FSDP's collectives
             model(torch.zeros(1, 2, dtype=torch.long, device=device)).sum().mul(0).backward()
-            break
+            continue
+        mb, adv = [m for m, _ in pairs], [a for _, a in pairs]
         b = collate(mb, device)
         ids, mask = b["ids"], b["loss_mask"][:, 1:]  # token t is predicted at position t-1
         for row, m, msg in zip(ids, b["loss_mask"].bool(), mb):  # token identity: we train what was sampled
             if not torch.equal(row[m].cpu(), msg["engine_ids"]):
                 raise AssertionError(f"episode {msg['index']}: trained token ids differ from the engine's sampled ids")
-        logits = model(ids, routing=b["routing"], images=b["images"])  # (B, T, V), experts replayed
-        logits = logits[:, :-1].float() / cfg.temperature
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
+        sel = mask.bool()  # logits only where the next token is trained: the rest of lm_head is wasted work
+        at, targets = F.pad(sel, (0, 1)), ids[:, 1:][sel]
+
+        def token_logp(m):  # -> logits (n, V) at the trained positions, logp (B, T-1) with 0 elsewhere
+            lg = m(ids, routing=b["routing"], images=b["images"], logits_at=at).float() / cfg.temperature
+            return lg, torch.zeros_like(mask).masked_scatter(sel, torch.log_softmax(lg, -1).gather(-1, targets[:, None])[:, 0])
+        logits, logp = token_logp(model)  # experts replayed
         rollout_logp, versions = b["rollout_logp"][:, 1:], b["versions"][:, 1:]
-        A = torch.tensor(adv[i:i + cfg.micro_batch], device=device)[:, None].expand_as(logp)  # (B, T-1)
+        A = torch.tensor(adv, device=device)[:, None].expand_as(logp)  # (B, T-1)
         w, corr_frac = est.CORRECTIONS[cfg.correction](old_logp=logp.detach(), rollout_logp=rollout_logp,
                                                        loss_mask=mask, low=cfg.correction_low, high=cfg.correction_high)
         per_tok, clip_frac = est.POLICY_LOSSES[cfg.policy_loss](
             logp=logp, old_logp=logp.detach(), advantages=A, loss_mask=mask, clip_low=cfg.clip_low,
             clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None)
         per_tok = per_tok * w
-        ent = est.entropy(logits=logits.detach() if not cfg.entropy_coef else logits)  # (B, T-1)
+        ent = torch.zeros_like(mask).masked_scatter(sel, est.entropy(logits=logits if cfg.entropy_coef else logits.detach()))
         if cfg.entropy_coef:
             per_tok = per_tok - cfg.entropy_coef * ent
         if ref is not None:  # KL to the frozen initial policy, on the sampled tokens
             with torch.no_grad():
-                ref_logits = ref(ids, routing=b["routing"], images=b["images"])[:, :-1].float() / cfg.temperature
-                ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+                ref_logp = token_logp(ref)[1]
             kl = est.KL[cfg.kl_estimator](logp=logp, ref_logp=ref_logp)  # (B, T-1)
             per_tok = per_tok + cfg.kl_coef * kl
             sums["kl"] += (kl.detach() * mask).sum().item()
         loss = est.AGGREGATIONS[cfg.aggregation](per_token=per_tok, loss_mask=mask, num_tokens=share["num_tokens"],
                                                  num_seqs=share["num_seqs"], norm_const=cfg.max_new_tokens * cfg.max_turns)
-        # FSDP averages gradients over ranks; the aggregation already divides by the step-wide counts
-        (loss * world).backward()
+        aux = model.aux_loss * len(mb) / share["num_seqs"] if model.aux_loss is not None else torch.zeros(())  # (MoE) this
+        # micro-batch's load-balancing loss, by its share of the step. FSDP averages gradients over ranks; the
+        # aggregation already divides by the step-wide counts
+        ((loss + cfg.router_aux_coef * aux) * world).backward()
+        sums["router_aux"] += aux.item()
+        if model.flips is not None:  # (MoE) replayed (position, layer)s whose experts the current router would not pick
+            flips, n = model.flips.tolist()
+            sums["flips"], sums["flip_n"] = sums["flips"] + flips, sums["flip_n"] + n
         # ---- consistency metrics: staleness and trainer-vs-engine mismatch on current-version tokens ----
         n_tok = mask.sum().item()
-        stale = (version - versions)[mask.bool()]
-        fresh = mask.bool() & (versions == version)
+        stale = (version - versions)[sel]
+        fresh = sel & (versions == version)
         d = (logp.detach() - rollout_logp)[fresh]
         sums["loss"] += loss.item()
         sums["tokens"] += n_tok
@@ -345,7 +378,7 @@ def main(argv=None):
     model, path = build_model(cfg, rank, world, device)
     tokenizer_dir = path
     ref = build_model(cfg, rank, world, device, reference=True)[0].requires_grad_(False) if cfg.kl_coef else None
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     state = load_trainer_state(cfg, model, opt, world)
     step, data_position = state["step"], state["data_position"]
     logger = Logger(cfg, rank, step)
@@ -385,8 +418,8 @@ def main(argv=None):
                 rewards = torch.tensor([m["reward"] for m in msgs])
                 adv = est.ADVANTAGES[cfg.advantage](rewards=rewards, group_ids=torch.tensor([m["group"] for m in msgs]))
                 n_tok = sum(float(m["tokens"][1].sum()) for m in msgs)
-                shares = [{"msgs": msgs[r::world], "advantages": adv[r::world].tolist(), "num_tokens": n_tok,
-                           "num_seqs": float(len(msgs))} for r in range(world)]
+                shares = [{"micro_batches": mbs, "num_tokens": n_tok, "num_seqs": float(len(msgs))}
+                          for mbs in split_batch(msgs, adv.tolist(), world, cfg.micro_batch_tokens)]
             if world > 1:
                 out = [None]
                 dist.scatter_object_list(out, shares if rank == 0 else None, src=0)
@@ -430,7 +463,8 @@ def main(argv=None):
                     "loss/clip_frac": sums["clip"] / max(sums["tokens"], 1),
                     "loss/correction_frac": sums["corr"] / max(sums["tokens"], 1),
                     "loss/entropy": sums["entropy"] / max(sums["tokens"], 1), "grad/norm": gnorm,
-                    "loss/kl_ref": sums["kl"] / max(sums["tokens"], 1),
+                    "loss/kl_ref": sums["kl"] / max(sums["tokens"], 1), "loss/router_aux": sums["router_aux"],
+                    "routing/flip_frac": sums["flips"] / sums["flip_n"] if sums["flip_n"] else None,
                     "train/skipped_steps": counters["skipped_steps"],
                     "time/step": now - t_step, "time/wait_rollout": wait, "time/train": t_train, "time/weight_sync": t_sync,
                     "throughput/rollout_tokens_per_s": gen / max(now - last_t, 1e-9),

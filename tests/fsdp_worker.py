@@ -33,7 +33,7 @@ def make_msgs(model, n, seed):
 
 def main(out, vision=False):
     rank, world, device = train.compute_init()
-    cfg = config.load(["--micro_batch=2", "--grad_clip=0.5", "--max_staleness=0"])
+    cfg = config.load(["--micro_batch_tokens=24", "--grad_clip=0.5", "--max_staleness=0"])
     c = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                     **(dict(vision_layers=1, vision_hidden=16, image_size=8, patch_size=4, image_token_id=49) if vision else {}))
@@ -49,7 +49,7 @@ def main(out, vision=False):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     import estimators
     adv = estimators.grpo(rewards=torch.tensor([m["reward"] for m in msgs]), group_ids=torch.tensor([m["group"] for m in msgs]))
-    share = {"msgs": msgs[rank::world], "advantages": adv[rank::world].tolist(),
+    share = {"micro_batches": train.split_batch(msgs, adv.tolist(), world, cfg.micro_batch_tokens)[rank],
              "num_tokens": float(sum(m["tokens"][1].sum() for m in msgs)), "num_seqs": float(len(msgs))}
     train.train_step(model, opt, share, cfg, 0, world)
     grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()

@@ -1,11 +1,13 @@
 """The embedded torch engine: what it samples, what it records, and how it batches and swaps weights."""
 import asyncio
 import math
+import os
 
 import pytest
 import torch
 
 from model_moe import ModelConfig, Transformer
+import rollout
 from rollout import TorchEngine
 
 V = 64
@@ -171,7 +173,7 @@ def collect(cfg, engine, tok, n):
         while len(msgs) < n:
             await asyncio.sleep(0.01)
             while not out.empty():
-                msgs.extend(out.get())  # a whole group
+                msgs.extend(rollout.unpack(out.get()))  # a whole group
         prod.cancel()
         loop_task.cancel()
         return msgs
@@ -266,7 +268,7 @@ def test_batches_get_whole_groups_and_a_failed_group_is_replaced(tok, tmp_path):
         for _ in range(3000):  # 30 s at most
             await asyncio.sleep(0.01)
             while not out.empty():
-                items.append(out.get())
+                items.append(rollout.unpack(out.get()))
             if len(items) == 2:
                 break
         prod.cancel()
@@ -275,3 +277,34 @@ def test_batches_get_whole_groups_and_a_failed_group_is_replaced(tok, tmp_path):
     items = asyncio.run(main())
     assert sorted([m["index"] for m in g] for g in items) == [[0, 2], [6, 8]]  # group 1 failed whole, group 2 took its place
     assert all(m["group"] == m["index"] // 3 for g in items for m in g)
+
+
+def _die_holding(lock):
+    lock.acquire()  # as if killed inside a forward, between taking the weights lock and releasing it
+    os._exit(3)
+
+
+def test_publish_does_not_hang_on_the_lock_of_a_dead_rollout_process():
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    lock = ctx.Lock()
+    proc = ctx.Process(target=_die_holding, args=(lock,))
+    proc.start()
+    proc.join()
+    ro = rollout.Rollout(proc, None, {"w": torch.zeros(2).share_memory_()}, ctx.Value("l", 0), lock, None)
+    with pytest.raises(RuntimeError, match=r"rollout process died \(exit code 3\) holding the weights lock"):
+        ro.publish({"w": torch.ones(2)}, 1)
+
+
+def test_pack_unpack_round_trip_with_missing_fields():
+    """A group crosses the queue as one item (a tensor per field); episodes without routing or images keep None."""
+    group = [{"engine_ids": torch.tensor([1, 2]), "tokens": torch.zeros(3, 5, dtype=torch.long), "logprobs": -torch.rand(5),
+              "routing": None, "images": None, "reward": 1.0, "index": 0},
+             {"engine_ids": torch.tensor([3]), "tokens": torch.ones(3, 7, dtype=torch.long), "logprobs": -torch.rand(7),
+              "routing": None, "images": torch.rand(2, 3, 4, 4), "reward": 0.0, "index": 1}]
+    item = rollout.pack([dict(m) for m in group])
+    assert item["tokens"][0].shape == (3, 12) and item["routing"][0] is None and item["images"][0].shape[0] == 2
+    for a, b in zip(group, rollout.unpack(item)):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert (b[k] is None) if a[k] is None else torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]

@@ -75,7 +75,7 @@ def produced(engine, cfg, tok, n):
         while len(msgs) < n:
             await asyncio.sleep(0.01)
             while not out.empty():
-                msgs.extend(out.get())  # a whole group
+                msgs.extend(rollout.unpack(out.get()))  # a whole group
         prod.cancel()
         return msgs
     return drive(engine, collect)

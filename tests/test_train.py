@@ -25,6 +25,21 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path, vision):
     assert any(g.abs().max() > 0 for g in one["grads"].values())
 
 
+def test_split_batch_gives_every_rank_as_many_micro_batches_within_the_budget():
+    """FSDP pairs the ranks' collectives forward by forward: unequal micro-batch counts would hang."""
+    import train
+    lengths = [5, 40, 7, 33, 12, 90, 8, 8, 21]
+    msgs = [{"tokens": torch.zeros(3, n), "index": i} for i, n in enumerate(lengths)]
+    ranks = train.split_batch(msgs, list(range(len(msgs))), 2, budget=64)
+    assert len(ranks[0]) == len(ranks[1]) == 3
+    assert sum(not mb for mbs in ranks for mb in mbs) == 1  # rank 1 filled up with an empty one
+    assert sorted(a for mbs in ranks for mb in mbs for _, a in mb) == list(range(len(msgs)))  # each once
+    for mbs in ranks:
+        for mb in mbs:
+            assert all(m["index"] == a for m, a in mb)  # with its own advantage
+            assert len(mb) <= 1 or len(mb) * max(m["tokens"].shape[1] for m, _ in mb) <= 64
+
+
 def run_train(out, *args, timeout=600):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
            f"--out_dir={out}", "--prompts_per_step=4", "--ckpt_every=0", "--dump_every=2", *args]
@@ -43,6 +58,7 @@ def test_on_policy_run_is_consistent_and_resumes_exactly(tmp_path):
     for m in ma:  # strictly on-policy: every token sampled by the weights it trains, mismatch ~0
         assert m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] > 0
         assert m["mismatch/logprob_abs_diff"] < 1e-5 and abs(m["mismatch/kl"]) < 1e-5
+        assert m["routing/flip_frac"] < 0.01  # the replayed experts are the ones the trainer's router picks too
         for key in ("policy_version", "reward/mean", "time/step", "time/wait_rollout", "time/weight_sync",
                     "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s", "staleness/mean"):
             assert key in m
@@ -125,19 +141,27 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
     assert len(ms) == 1 and ms[0]["train/skipped_steps"] == 1
 
 
-def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("to", ["trainer", "group"])
+def test_sigterm_or_ctrl_c_writes_a_checkpoint_and_exits_cleanly(tmp_path, to):
+    """SIGTERM to the trainer; or SIGINT to the whole process group, as Ctrl-C in a terminal (or `timeout`)
+    sends it: the rollout process gets it too and must leave the stop to the trainer."""
     import signal
     import time
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
            f"--out_dir={tmp_path}", "--prompts_per_step=2", "--max_steps=100000", "--ckpt_every=0"]
-    p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=to == "group")
     deadline = time.time() + 120
     while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists() or len(metrics(tmp_path)) < 2:
         time.sleep(0.5)
-    p.send_signal(signal.SIGTERM)
+    name = "SIGTERM" if to == "trainer" else "SIGINT"
+    if to == "trainer":
+        p.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err[-2000:]
-    assert "SIGTERM: checkpoint of step" in out
+    assert f"{name}: checkpoint of step" in out
     state = torch.load(tmp_path / "ckpt" / "trainer.pt", weights_only=False)
     assert state["step"] == len(metrics(tmp_path)) >= 2
 
