@@ -1,6 +1,8 @@
 """Run by tests/test_train.py under torchrun (2 gloo ranks) and in one process: one train_step on a fixed
 batch; rank 0 saves the full gradients and updated weights for the test to compare. With `vision`, a model with
-a vision encoder, and only the even rows (rank 0's share) carry images: rank 1's encoder sees none."""
+a vision encoder, and one episode has an image: the longest, so split_batch gives it to rank 0's first
+micro-batch, and rank 1's encoder runs on no image in that forward (and in its empty last micro-batch)."""
+import os
 import sys
 
 import torch
@@ -18,7 +20,7 @@ def make_msgs(model, n, seed):
         T = int(torch.randint(6, 14, (1,), generator=g))
         ids = torch.randint(0, c.vocab_size - 1, (T,), generator=g)  # the last id is the image placeholder
         images = None
-        if c.vision_layers and i % 2 == 0:
+        if c.vision_layers and i == 0:
             ids = torch.cat([ids[:2], torch.full((c.n_patches,), c.image_token_id), ids[2:]])
             T, images = T + c.n_patches, torch.rand(1, c.image_channels, c.image_size, c.image_size, generator=g)
         mask = (torch.rand(T, generator=g) < 0.6).long()
@@ -60,6 +62,10 @@ def main(out, vision=False):
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+        # once in a CI run (not in 22 runs here) a rank aborted after this point ("terminate called without an active exception":
+        # gloo threads torn down during interpreter finalization); the results are saved and compared by the test
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
