@@ -173,8 +173,8 @@ def train_step(model, opt, share, cfg, version, world, ref=None):
     share: {"micro_batches" (from split_batch), "num_tokens", "num_seqs"} with step-wide token/sequence counts.
     Returns summed metrics of this rank (reduced across ranks by the caller)."""
     device = next(model.parameters()).device
-    sums = dict.fromkeys(["loss", "tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "clip", "corr", "entropy", "kl", "router_aux",
-                                 "flips", "flip_n"], 0.0)
+    sums = dict.fromkeys(["loss", "tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "clip", "corr", "entropy", "kl",
+                          "router_aux", "flips", "flip_n"], 0.0)
     stale_max, stale_hist = 0, [0] * (cfg.max_staleness + 1)
     opt.zero_grad(set_to_none=True)  # (gradients stay readable after the step, for tests and debugging)
     for pairs in share["micro_batches"]:

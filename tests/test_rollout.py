@@ -143,7 +143,8 @@ from rollout import Malformed, Policy, check_tokens, produce
 
 
 class Counter:  # stands in for the shared mp.Value the trainer bumps
-    value = 0
+    def __init__(self, value=0):
+        self.value = value
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +163,24 @@ def engine_for(tok, seed=0):
                        max_new_tokens=6, stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], seed=seed)
 
 
+def drive(engine, coro_fn):
+    """Run engine.run() beside coro_fn() in one event loop; an engine error surfaces as it would in the rollout."""
+    async def main():
+        loop_task, work = asyncio.create_task(engine.run()), asyncio.create_task(coro_fn())
+        done, _ = await asyncio.wait([loop_task, work], return_when=asyncio.FIRST_COMPLETED)
+        if loop_task in done:
+            work.cancel()
+            loop_task.result()
+        loop_task.cancel()
+        return work.result()
+    return asyncio.run(main())
+
+
 def collect(cfg, engine, tok, n):
-    """Run the rollout's producer until n episodes arrive; returns (messages, last stats)."""
+    """The rollout's producer (agents of cfg.task) on engine until n episodes have arrived, in whole groups."""
     out = queue.Queue()
 
-    async def main():
-        loop_task = asyncio.create_task(engine.run())
+    async def episodes():
         prod = asyncio.create_task(produce(cfg, engine, tok, out, Counter(), 0, len(tok)))
         msgs = []
         while len(msgs) < n:
@@ -175,9 +188,8 @@ def collect(cfg, engine, tok, n):
             while not out.empty():
                 msgs.extend(rollout.unpack(out.get()))  # a whole group
         prod.cancel()
-        loop_task.cancel()
         return msgs
-    return asyncio.run(main())
+    return drive(engine, episodes)
 
 
 def test_episode_holds_exactly_the_sampled_ids(tok):

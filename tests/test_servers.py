@@ -7,7 +7,6 @@ import asyncio
 import base64
 import json
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -22,14 +21,10 @@ import agent
 import config
 import rollout
 from model_moe import ModelConfig, Transformer
-from rollout import ServerEngine, ServerError, TorchEngine, produce, start_server, stop_server, write_weights
+from rollout import ServerEngine, ServerError, TorchEngine, start_server, stop_server, write_weights
+from test_rollout import Counter, collect, drive  # the producer and engine loop, as the rollout runs them
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class Counter:  # stands in for the shared mp.Value the trainer bumps
-    def __init__(self, value=0):
-        self.value = value
 
 
 @pytest.fixture(scope="module")
@@ -50,35 +45,6 @@ def tiny_config(vocab, experts=0, layers=2, mlp_only=()):
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=experts,
                        num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=list(mlp_only),
                        max_position_embeddings=512)
-
-
-def drive(engine, coro_fn):
-    """Run engine.run() beside coro_fn() in one event loop; an engine error surfaces as it would in the rollout."""
-    async def main():
-        loop_task, work = asyncio.create_task(engine.run()), asyncio.create_task(coro_fn())
-        done, _ = await asyncio.wait([loop_task, work], return_when=asyncio.FIRST_COMPLETED)
-        if loop_task in done:
-            work.cancel()
-            loop_task.result()
-        loop_task.cancel()
-        return work.result()
-    return asyncio.run(main())
-
-
-def produced(engine, cfg, tok, n):
-    """The rollout's producer (agents of cfg.task) on engine until n episodes have arrived, in whole groups."""
-    out = queue.Queue()
-
-    async def collect():
-        prod = asyncio.create_task(produce(cfg, engine, tok, out, Counter(0), 0, len(tok)))
-        msgs = []
-        while len(msgs) < n:
-            await asyncio.sleep(0.01)
-            while not out.empty():
-                msgs.extend(rollout.unpack(out.get()))  # a whole group
-        prod.cancel()
-        return msgs
-    return drive(engine, collect)
 
 
 # ---- (a) the SGLang client against SGLang's documented request/response shapes ----
@@ -218,7 +184,7 @@ def test_agents_train_exactly_the_server_tokens(tmp_path, tok):
     cfg = config.load(["--group_size=2", "--prompts_per_step=2", "--max_turns=3", "--max_staleness=0"])
     e = sglang_engine([fake], tmp_path, tiny_config(len(tok)), stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
                       max_new_tokens=4)
-    msgs = produced(e, cfg, tok, 4)
+    msgs = collect(cfg, e, tok, 4)
     returned = [fake.outputs(b["input_ids"], b["sampling_params"]) for b in fake.calls("/generate")]
     for m in msgs:
         ids, mask = m["tokens"][0], m["tokens"][1].bool()
@@ -355,7 +321,7 @@ def test_vllm_episodes_are_the_server_tokens_with_versions_and_logprobs(vllm_ser
         return r
     e.api = dict(e.api, generate=recording)
     cfg = config.load(["--group_size=2", "--prompts_per_step=2", "--max_turns=2", "--max_staleness=0"])
-    msgs = produced(e, cfg, tok, 4)
+    msgs = collect(cfg, e, tok, 4)
     diffs = []
     for m in msgs:
         ids, mask = m["tokens"][0], m["tokens"][1].bool()
