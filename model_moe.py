@@ -100,8 +100,7 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):  # normalise in fp32 like the reference, then scale in the input dtype
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope(x, cos, sin):  # x (B, H, T, D); rotate-half convention of the Qwen/Llama checkpoints: x * cos +
@@ -326,7 +325,8 @@ class Transformer(nn.Module):
         cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)  # (B, 1, T, hd)
         if cache is not None:
             n_keys, kv = cache.bind(slots, positions)
-            mask = torch.arange(n_keys, device=ids.device) <= positions[..., None]  # (B, T, n_keys)
+            mask = torch.zeros(B, T, n_keys, dtype=x.dtype, device=ids.device).masked_fill_(  # (B, T, n_keys)
+                torch.arange(n_keys, device=ids.device) > positions[..., None], -torch.inf)  # additive
         else:
             n_keys = T
             mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril().expand(B, T, T)
