@@ -220,10 +220,12 @@ class Policy:
     what the engine was given and returned, to check the episode against (token identity)."""
 
     def __init__(self, engine, tokenizer):
-        self.engine, self.tokenizer, self.calls = engine, tokenizer, []
+        self.engine, self.tokenizer, self.calls, self.closed = engine, tokenizer, [], False
 
     async def generate(self, ids, max_new_tokens=None, images=None):
         """images: a list of (C, H, W) tensors in [0, 1], one per run of placeholders in ids, in order."""
+        if self.closed:  # the episode timed out: an agent that swallowed its cancellation gets no more tokens
+            raise RuntimeError("this episode has timed out; its policy is closed")
         images = check_images(ids, images, getattr(self.engine, "c", None))  # bad input fails here, in the agent
         c = await self.engine.generate(ids, max_new_tokens, **({} if images is None else {"images": images}))
         self.calls.append((list(ids), c, images))
@@ -392,7 +394,15 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
     async def one(task, index):
         llm = Policy(engine, tokenizer)
-        ep = await asyncio.wait_for(run(task, llm), cfg.episode_timeout)
+        agent_task = asyncio.ensure_future(run(task, llm))
+        if not (await asyncio.wait([agent_task], timeout=cfg.episode_timeout))[0]:
+            # not wait_for: it waits for the cancelled agent to finish, forever if the agent swallows the
+            # cancellation, and its group would hold a place in the staleness window for good
+            llm.closed = True
+            agent_task.cancel()
+            agent_task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nothing to report later
+            raise asyncio.TimeoutError(f"agent still running after episode_timeout={cfg.episode_timeout} s")
+        ep = agent_task.result()
         try:
             engine_ids = check_tokens(ep, llm.calls)
             check_images(ep.ids, ep.images, getattr(engine, "c", None))  # e.g. a placeholder the policy sampled

@@ -2,6 +2,7 @@
 import asyncio
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -198,8 +199,9 @@ def collect(cfg, engine, tok, n):
 
     async def episodes():
         prod = asyncio.create_task(produce(cfg, engine, tok, out, Counter(), 0, len(tok)))
-        msgs = []
+        msgs, deadline = [], time.monotonic() + 60
         while len(msgs) < n:
+            assert time.monotonic() < deadline, f"{len(msgs)} of {n} episodes after 60 s"
             await asyncio.sleep(0.01)
             while not out.empty():
                 msgs.extend(rollout.unpack(out.get()))  # a whole group
@@ -271,6 +273,43 @@ def test_agent_that_raises_is_counted_and_dropped(tok, tmp_path):
     msgs = collect(cfg, engine_for(tok, 2), tok, 5)
     assert all(m["index"] % 3 != 1 for m in msgs)
     assert msgs[-1]["stats"]["agent_errors"] >= 2  # episodes 1 and 4 failed before 5 good ones arrived
+
+
+STUBBORN_AGENT = """
+import asyncio
+from agent import arith
+
+async def run(task, llm):
+    swallowed = False
+    while task["index"] % 4 == 1:  # swallows the first cancellation (the timeout), then asks for more tokens
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            if swallowed:  # the second one (the test's shutdown) ends it
+                raise
+            swallowed = True
+            try:
+                await llm.generate([1, 2, 3])
+                print("served", file=open(LOG, "a"))
+            except RuntimeError as e:
+                print(e, file=open(LOG, "a"))
+    return await arith(task, llm)
+"""
+
+
+def test_an_agent_that_ignores_its_timeout_is_dropped_and_its_group_goes_on(tok, tmp_path):
+    """episode_timeout drops the episode at once, although the agent swallows its cancellation: its group
+    is sent without it (else the group would hold a place in the staleness window for good and, at
+    max_staleness=0, the rollout would stop), and the agent gets no more tokens from the engine."""
+    log = tmp_path / "after_timeout.txt"
+    (tmp_path / "stubborn.py").write_text(f"LOG = {str(log)!r}\n" + STUBBORN_AGENT)
+    cfg = config.load([f"--task={tmp_path / 'stubborn.py'}", "--group_size=2", "--prompts_per_step=6",
+                       "--max_staleness=0", "--episode_timeout=0.3"])
+    engine = engine_for(tok, 2)
+    msgs = collect(cfg, engine, tok, 9)  # the 6 groups max_staleness=0 lets start, less episodes 1, 5 and 9
+    assert sorted(m["index"] for m in msgs) == [0, 2, 3, 4, 6, 7, 8, 10, 11]
+    after = log.read_text().splitlines()
+    assert len(after) == 3 and all("timed out" in line for line in after)  # no tokens for a closed policy
 
 
 GROUP_AGENT = """
