@@ -165,22 +165,36 @@ uid, mem, nproc, cpu, parent = map(int, sys.argv[1:6]); sys.argv = ["main.py"]
 libc = ctypes.CDLL(None, use_errno=True)
 def check(r):
     if r < 0: raise OSError(ctypes.get_errno(), "sandbox setup failed")
-check(libc.prctl(38, 1, 0, 0, 0))  # PR_SET_NO_NEW_PRIVS: needed by Landlock; exec can't regain privileges
+check(libc.prctl(38, 1, 0, 0, 0))  # PR_SET_NO_NEW_PRIVS: needed by Landlock and seccomp; exec can't regain privileges
+if uid >= 0: libc.unshare(0x40000000)  # CLONE_NEWNET, no loopback even; may fail in a container: seccomp is the wall
 abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(VERSION); < 0 on kernels without Landlock
-if abi >= 1:  # Landlock (Linux >= 5.13): every write/create/remove right is denied outside the cwd
-    rights = 0b1111111110010 | (abi >= 2) << 13 | (abi >= 3) << 14
-    fd = libc.syscall(444, struct.pack("Q", rights), 8, 0); check(fd)
-    check(libc.syscall(445, fd, 1, struct.pack("=Qi", rights, os.open(".", os.O_PATH)), 0))
-    check(libc.syscall(446, fd, 0))
+if abi >= 1:  # Landlock (Linux >= 5.13): writes only in the cwd; reads only there, in the Python it runs, system libs
+    fs = (1 << 13) - 1 | (abi >= 2) << 13 | (abi >= 3) << 14 | (abi >= 5) << 15  # every fs right this ABI knows
+    # (fs rights, TCP bind+connect from ABI 4: all denied, scoped from ABI 6: abstract unix sockets and signals)
+    fd = libc.syscall(444, struct.pack("3Q", fs, 3 * (abi >= 4), 3 * (abi >= 6)), 24, 0); check(fd)
+    libs = [*sys.path, sys.executable, "/lib", "/lib64", "/usr/lib", "/usr/lib64", "/etc/ld.so.cache", "/dev/urandom"]
+    for p, r in [(".", fs), ("/dev/null", 0xc006), *((p, 0b1101) for p in libs if os.path.exists(p))]:
+        r &= fs if os.path.isdir(p) else 0xc007  # a rule on a file takes file rights only (exec, r/w, truncate, ioctl)
+        check(libc.syscall(445, fd, 1, struct.pack("=Qi", r, o := os.open(p, os.O_PATH)), 0)); os.close(o)
+    check(libc.syscall(446, fd, 0)); os.close(fd)  # closed: the model's code must see no fds but 0, 1, 2
 for res, n in [(resource.RLIMIT_AS, mem << 20), (resource.RLIMIT_FSIZE, mem << 20),
                (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_CORE, 0)]:
     resource.setrlimit(res, (n, n))
-if uid >= 0:  # drop root, but keep CAP_DAC_READ_SEARCH so a Python under /root (pyenv) stays importable
+if uid >= 0:  # drop root; keep CAP_DAC_READ_SEARCH (a Python under /root, pyenv) only where Landlock fences reads
     check(libc.prctl(8, 1, 0, 0, 0))  # PR_SET_KEEPCAPS
     os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
-    check(libc.capset(struct.pack("Ii", 0x20080522, 0), struct.pack("6I", 1 << 2, 1 << 2, 0, 0, 0, 0)))
+    cap = (abi >= 1) << 2
+    check(libc.capset(struct.pack("Ii", 0x20080522, 0), struct.pack("6I", cap, cap, 0, 0, 0, 0)))
 check(libc.prctl(1, 9, 0, 0, 0))  # PR_SET_PDEATHSIG: SIGKILL when the caller dies (after setresuid: it clears it)
 if os.getppid() != parent: os._exit(137)  # the caller died before that line
+# seccomp: socket() and io_uring fail with EPERM, and so do socketpairs but SOCK_STREAM ones (asyncio's self-pipe;
+# a datagram one could sendto() a path socket), and every syscall of another ABI (x32, i386 on x86_64).
+arch, sock, pair = {"x86_64": (0xC000003E, 41, 53), "aarch64": (0xC00000B7, 198, 199)}[os.uname().machine]
+bpf = [(0x20, 0, 0, 4), (0x15, 0, 9, arch), (0x20, 0, 0, 0), (0x35, 7, 0, 1 << 30), (0x15, 6, 0, sock),
+       (0x15, 5, 0, 425), (0x15, 0, 3, pair), (0x20, 0, 0, 24), (0x54, 0, 0, 0xf), (0x15, 0, 1, 1),
+       (0x06, 0, 0, 0x7fff0000), (0x06, 0, 0, 0x50001)]  # (code, jump if true, jump if false, k): classic BPF
+prog = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in bpf))
+check(libc.prctl(22, 2, struct.pack("HxxxxxxP", len(bpf), ctypes.addressof(prog)), 0, 0))  # SECCOMP_MODE_FILTER
 exec(compile(open("main.py", "rb").read(), "main.py", "exec"), {"__name__": "__main__"})
 """
 _calls = itertools.count()

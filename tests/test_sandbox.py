@@ -3,6 +3,7 @@
 import asyncio
 import ctypes
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -144,3 +145,95 @@ def test_calls_run_concurrently():
     results = asyncio.run(many())
     assert results == [(True, f"{i}\n") for i in range(8)]
     assert time.monotonic() - t0 < 4.0  # sequentially this would take 8 s
+
+
+# ---- escapes: no network of any kind, reads only from the tool's dir, its Python and system libraries ----
+def test_harmless_code_still_works():
+    code = """
+import asyncio, json, math, os
+open("out.json", "w").write(json.dumps({"pi": round(math.pi, 3)}))
+asyncio.run(asyncio.sleep(0))  # the event loop's self-pipe is a socketpair: that one still works
+print(json.load(open("out.json"))["pi"], sorted(os.listdir(".")), sum(i * i for i in range(10)))
+"""
+    assert run(code) == (True, "3.142 ['main.py', 'out.json'] 285\n")
+
+
+def test_cannot_connect_to_a_tcp_port_on_loopback():
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        ok, out = run(f"import socket; socket.create_connection(('127.0.0.1', {srv.getsockname()[1]}), 2); "
+                      "print('CONN' + 'ECTED')")
+        srv.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            srv.accept()[0].close()  # nothing reached the listener
+    assert not ok and "CONNECTED" not in out and "Error" in out
+
+
+@pytest.mark.parametrize("kind", ["udp", "unix_stream", "unix_dgram", "socketpair_dgram"])
+def test_cannot_send_udp_or_reach_a_unix_socket(kind, tmp_path):
+    tmp_path.chmod(0o755)  # so file permissions are not what stops it
+    if kind == "udp":
+        srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        srv.bind(("127.0.0.1", 0))
+        code = f"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'hi', {srv.getsockname()})"
+    else:
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM if kind == "unix_stream" else socket.SOCK_DGRAM)
+        srv.bind(str(tmp_path / "s.sock"))
+        os.chmod(tmp_path / "s.sock", 0o777)
+        code = {"unix_stream": f"import socket; socket.socket(socket.AF_UNIX).connect({str(tmp_path / 's.sock')!r})",
+                "unix_dgram": "import socket; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)"
+                              f".sendto(b'hi', {str(tmp_path / 's.sock')!r})",
+                "socketpair_dgram": "import socket; a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+                                    f"a.sendto(b'hi', {str(tmp_path / 's.sock')!r})"}[kind]
+    with srv:
+        if kind == "unix_stream":
+            srv.listen()
+        ok, out = run(code + "\nprint('SE' + 'NT')")
+        srv.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            srv.accept() if kind == "unix_stream" else srv.recv(10)  # nothing arrived
+    assert not ok and "SENT" not in out and "Error" in out
+
+
+@pytest.fixture
+def secret(tmp_path):
+    """A root-owned (when root) 0600 file outside the tool's dir: (path, its content)."""
+    path, text = tmp_path / "secret.txt", f"s3cret-{os.getpid()}"
+    path.write_text(text)
+    path.chmod(0o600)
+    return path, text
+
+
+@pytest.mark.skipif(not LANDLOCK, reason="a read allowlist needs Landlock (Linux >= 5.13)")
+@pytest.mark.parametrize("target", ["/etc/shadow", "secret", "train.py", "/proc/{pid}/environ", "/proc/{pid}/cmdline"])
+def test_cannot_read_files_outside_the_allowlist(target, secret):
+    path = {"secret": str(secret[0]), "train.py": str(Path(__file__).parents[1] / "train.py")}.get(target, target)
+    path = path.format(pid=os.getpid())
+    if not Path(path).exists():
+        pytest.skip(f"{path} does not exist here")
+    ok, out = run(f"print(repr(open({path!r}, 'rb').read()[:200]))")
+    assert not ok and "PermissionError" in out and secret[1] not in out and "import" not in out
+
+
+@pytest.mark.skipif(not LANDLOCK, reason="a read allowlist needs Landlock (Linux >= 5.13)")
+@pytest.mark.parametrize("target", ["/root", "tmp_path", "/"])
+def test_cannot_list_directories_outside_the_allowlist(target, tmp_path, secret):
+    path = str(tmp_path) if target == "tmp_path" else target
+    ok, out = run(f"import os; print(os.listdir({path!r}))")
+    assert not ok and "PermissionError" in out and "secret.txt" not in out
+
+
+@pytest.mark.skipif(not (ROOT and LANDLOCK), reason="CAP_DAC_READ_SEARCH (open_by_handle_at) is kept only as root")
+def test_cannot_open_a_file_by_handle(secret):
+    # The classic escape with CAP_DAC_READ_SEARCH: a file handle opens a file without walking its path.
+    code = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+handle, mount_id = ctypes.create_string_buffer(136), ctypes.c_int()
+handle[0] = 128  # handle_bytes
+assert libc.name_to_handle_at(-100, {str(secret[0]).encode()!r}, handle, ctypes.byref(mount_id), 0) == 0
+fd = libc.open_by_handle_at(os.open('.', os.O_RDONLY), handle, os.O_RDONLY)  # any fd on the same mount (/tmp)
+if fd < 0: raise OSError(ctypes.get_errno(), "open_by_handle_at")
+print(os.read(fd, 100))
+"""
+    ok, out = run(code)
+    assert not ok and "Error" in out and secret[1] not in out
