@@ -174,7 +174,7 @@ if abi >= 1:  # Landlock (Linux >= 5.13): writes only in the cwd; reads only the
     fd = libc.syscall(444, struct.pack("3Q", fs, 3 * (abi >= 4), 3 * (abi >= 6)), 24, 0); check(fd)
     libs = [*sys.path, sys.executable, "/lib", "/lib64", "/usr/lib", "/usr/lib64", "/etc/ld.so.cache", "/dev/urandom"]
     for p, r in [(".", fs), ("/dev/null", 0xc006), *((p, 0b1101) for p in libs if os.path.exists(p))]:
-        r &= fs if os.path.isdir(p) else 0xc007  # a rule on a file takes file rights only (exec, r/w, truncate, ioctl)
+        r &= fs & (-1 if os.path.isdir(p) else 0xc007)  # a file takes file rights only: exec, r/w, truncate, ioctl
         check(libc.syscall(445, fd, 1, struct.pack("=Qi", r, o := os.open(p, os.O_PATH)), 0)); os.close(o)
     check(libc.syscall(446, fd, 0)); os.close(fd)  # closed: the model's code must see no fds but 0, 1, 2
 for res, n in [(resource.RLIMIT_AS, mem << 20), (resource.RLIMIT_FSIZE, mem << 20),
@@ -183,12 +183,11 @@ for res, n in [(resource.RLIMIT_AS, mem << 20), (resource.RLIMIT_FSIZE, mem << 2
 if uid >= 0:  # drop root; keep CAP_DAC_READ_SEARCH (a Python under /root, pyenv) only where Landlock fences reads
     check(libc.prctl(8, 1, 0, 0, 0))  # PR_SET_KEEPCAPS
     os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
-    cap = (abi >= 1) << 2
-    check(libc.capset(struct.pack("Ii", 0x20080522, 0), struct.pack("6I", cap, cap, 0, 0, 0, 0)))
+    check(libc.capset(struct.pack("Ii", 0x20080522, 0), struct.pack("6I", *[(abi >= 1) << 2] * 2, 0, 0, 0, 0)))
 check(libc.prctl(1, 9, 0, 0, 0))  # PR_SET_PDEATHSIG: SIGKILL when the caller dies (after setresuid: it clears it)
 if os.getppid() != parent: os._exit(137)  # the caller died before that line
-# seccomp: socket() and io_uring fail with EPERM, and so do socketpairs but SOCK_STREAM ones (asyncio's self-pipe;
-# a datagram one could sendto() a path socket), and every syscall of another ABI (x32, i386 on x86_64).
+# seccomp: socket(), io_uring_setup() and socketpair() but of SOCK_STREAM (asyncio's self-pipe; a datagram pair
+# could sendto() a path socket) fail with EPERM, and so does every syscall of another ABI (x32, i386 on x86_64).
 arch, sock, pair = {"x86_64": (0xC000003E, 41, 53), "aarch64": (0xC00000B7, 198, 199)}[os.uname().machine]
 bpf = [(0x20, 0, 0, 4), (0x15, 0, 9, arch), (0x20, 0, 0, 0), (0x35, 7, 0, 1 << 30), (0x15, 6, 0, sock),
        (0x15, 5, 0, 425), (0x15, 0, 3, pair), (0x20, 0, 0, 24), (0x54, 0, 0, 0xf), (0x15, 0, 1, 1),

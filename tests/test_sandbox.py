@@ -2,9 +2,13 @@
 
 import asyncio
 import ctypes
+import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -237,3 +241,78 @@ print(os.read(fd, 100))
 """
     ok, out = run(code)
     assert not ok and "Error" in out and secret[1] not in out
+
+
+SYSCALLS = {"x86_64": (41, 425), "aarch64": (198, 425)}.get(os.uname().machine)  # socket, io_uring_setup
+
+
+@pytest.mark.skipif(SYSCALLS is None, reason=f"no syscall numbers here for {os.uname().machine}")
+def test_raw_socket_and_io_uring_syscalls_fail():
+    # io_uring can open and connect sockets itself (IORING_OP_SOCKET), so setting one up is refused too.
+    code = f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+for args in [({SYSCALLS[0]}, 2, 1, 0), ({SYSCALLS[1]}, 8, None)]:
+    print(libc.syscall(*args), ctypes.get_errno())
+"""
+    assert run(code) == (True, "-1 1\n-1 1\n")  # EPERM both times
+
+
+@pytest.mark.skipif(not ROOT, reason="a network namespace of its own needs root (CAP_SYS_ADMIN)")
+def test_tool_runs_in_its_own_network_namespace():
+    marker = f"nmnetns{os.getpid() % 10**6}"
+
+    async def look():
+        task = asyncio.ensure_future(run_tool(f"import ctypes, time; ctypes.CDLL(None).prctl(15, b'{marker}'); "
+                                              "time.sleep(3)"))
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if pids := alive_with_comm(marker):
+                return os.readlink(f"/proc/{pids[0]}/ns/net"), await task
+        return None, await task
+
+    netns, (ok, _) = asyncio.run(look())
+    assert ok and netns is not None and netns != os.readlink("/proc/self/ns/net")
+
+
+NOBODY_PYTHON = next((p for p in ["/usr/bin/python3", "/usr/local/bin/python3"] if os.access(p, os.X_OK)), None)
+
+
+@pytest.mark.skipif(not (ROOT and NOBODY_PYTHON), reason="needs root to become nobody and a Python nobody can run")
+def test_as_a_non_root_user_the_sandbox_still_holds():
+    # The uid -1 path: run_tool's own code (agent.py's tools section, not importable there: no torch) under a
+    # system Python as nobody, so the tool runs as the caller's own uid and only Landlock and seccomp stand between.
+    src = (Path(__file__).parents[1] / "agent.py").read_text()
+    tools = src[src.index("# ---- tools"):src.index("# ---- built-in tasks")]
+    public = Path(tempfile.mkdtemp(prefix="nanomolt_public_"))
+    try:
+        public.chmod(0o755)
+        (public / "notes.txt").write_text("public-but-not-for-tools")
+        (public / "notes.txt").chmod(0o644)
+        with socket.create_server(("127.0.0.1", 0)) as srv:
+            probes = {"print": "print(6 * 7)",
+                      "tcp": f"import socket; socket.create_connection(('127.0.0.1', {srv.getsockname()[1]}), 2)",
+                      "read": f"print(open({str(public / 'notes.txt')!r}).read())",
+                      "write": f"open({str(public / 'w.txt')!r}, 'w')",
+                      "signal the caller": "import os; os.kill(os.getppid(), 0)"}
+            driver = f"""
+import asyncio, contextlib, itertools, json, math, os, signal, sys, tempfile
+from pathlib import Path
+{tools}
+print(open({str(public / 'notes.txt')!r}).read())  # nobody itself can read it: only the sandbox stops the tool
+print(json.dumps({{k: asyncio.run(run_tool(c)) for k, c in {probes!r}.items()}}))
+"""
+            res = subprocess.run([NOBODY_PYTHON, "-I", "-c", driver], user=65534, group=65534, extra_groups=[],
+                                 cwd="/", capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(public)
+    assert res.returncode == 0, res.stderr
+    first, last = res.stdout.splitlines()[0], res.stdout.splitlines()[-1]
+    out = json.loads(last)
+    assert first == "public-but-not-for-tools" and out["print"] == [True, "42\n"]
+    assert not out["tcp"][0] and "PermissionError" in out["tcp"][1]
+    if LANDLOCK:
+        assert not out["read"][0] and "public-but" not in out["read"][1] and not out["write"][0], out
+    abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1)
+    if abi >= 6:  # Landlock's signal scope: the tool can't signal processes outside its domain, its caller included
+        assert not out["signal the caller"][0] and "PermissionError" in out["signal the caller"][1]
