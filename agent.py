@@ -172,7 +172,8 @@ if abi >= 1:  # Landlock (Linux >= 5.13): writes only in the cwd; reads only the
     fs = (1 << 13) - 1 | (abi >= 2) << 13 | (abi >= 3) << 14 | (abi >= 5) << 15  # every fs right this ABI knows
     # (fs rights, TCP bind+connect from ABI 4: all denied, scoped from ABI 6: abstract unix sockets and signals)
     fd = libc.syscall(444, struct.pack("3Q", fs, 3 * (abi >= 4), 3 * (abi >= 6)), 24, 0); check(fd)
-    libs = [*sys.path, sys.executable, "/lib", "/lib64", "/usr/lib", "/usr/lib64", "/etc/ld.so.cache", "/dev/urandom"]
+    libs = [*sys.path, sys.executable, "/lib", "/lib64", "/usr/lib", "/usr/lib64", "/etc/ld.so.cache", "/dev/urandom",
+            f"/proc/{os.getpid()}"]  # its own /proc/self, not other processes' (main.py runs in this process)
     for p, r in [(".", fs), ("/dev/null", 0xc006), *((p, 0b1101) for p in libs if os.path.exists(p))]:
         r &= fs & (-1 if os.path.isdir(p) else 0xc007)  # a file takes file rights only: exec, r/w, truncate, ioctl
         check(libc.syscall(445, fd, 1, struct.pack("=Qi", r, o := os.open(p, os.O_PATH)), 0)); os.close(o)

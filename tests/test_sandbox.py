@@ -316,3 +316,10 @@ print(json.dumps({{k: asyncio.run(run_tool(c)) for k, c in {probes!r}.items()}})
     abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1)
     if abi >= 6:  # Landlock's signal scope: the tool can't signal processes outside its domain, its caller included
         assert not out["signal the caller"][0] and "PermissionError" in out["signal the caller"][1]
+
+
+@pytest.mark.skipif(not LANDLOCK, reason="a read allowlist needs Landlock (Linux >= 5.13)")
+def test_its_own_proc_entry_stays_readable():
+    # tests/soak_agent.py's escape check lists the tool's fds this way; the environment it sees is empty anyway
+    ok, out = run("import os; print(sorted(os.listdir('/proc/self/fd'))[:3], repr(open('/proc/self/environ').read()))")
+    assert (ok, out) == (True, "['0', '1', '2'] ''\n")
