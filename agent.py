@@ -192,7 +192,7 @@ if os.getppid() != parent: os._exit(137)  # the caller died before that line
 arch, sock, pair = {"x86_64": (0xC000003E, 41, 53), "aarch64": (0xC00000B7, 198, 199)}[os.uname().machine]
 bpf = [(0x20, 0, 0, 4), (0x15, 0, 9, arch), (0x20, 0, 0, 0), (0x35, 7, 0, 1 << 30), (0x15, 6, 0, sock),
        (0x15, 5, 0, 425), (0x15, 0, 3, pair), (0x20, 0, 0, 24), (0x54, 0, 0, 0xf), (0x15, 0, 1, 1),
-       (0x06, 0, 0, 0x7fff0000), (0x06, 0, 0, 0x50001)]  # (code, jump if true, jump if false, k): classic BPF
+       (0x06, 0, 0, 0x7fff0000), (0x06, 0, 0, 0x50001)]  # (op, jump if, jump if not, k); nr @0, arch @4, args[1] @24
 prog = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in bpf))
 check(libc.prctl(22, 2, struct.pack("HxxxxxxP", len(bpf), ctypes.addressof(prog)), 0, 0))  # SECCOMP_MODE_FILTER
 exec(compile(open("main.py", "rb").read(), "main.py", "exec"), {"__name__": "__main__"})

@@ -1,4 +1,4 @@
-"""The tool sandbox turns hangs, crashes, memory blow-ups and fork bombs into error observations."""
+"""The tool sandbox turns hangs, crashes, memory blow-ups, fork bombs and escapes into error observations."""
 
 import asyncio
 import ctypes
