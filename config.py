@@ -16,12 +16,13 @@ class Config:
     seed: int = 0  # seeds the model init, the sampler and the tasks
     max_steps: int = 100  # optimizer steps to run
     resume: bool = False  # continue from the latest checkpoint in out_dir
+    overwrite: bool = False  # start afresh in an out_dir that holds an earlier run, deleting its files
     ckpt_every: int = 50  # write a checkpoint every N steps (and at the end); 0 = only at the end
     dump_every: int = 10  # dump a few full episodes (decoded text, masks, reward) every N steps
     wandb_project: str = ""  # log to Weights & Biases under this project when wandb is installed
     # ---- model ----
     model: str = "tiny"  # a Hugging Face directory (Qwen3 / Qwen3-MoE), or "tiny": a small MoE made from scratch
-    dtype: str = "float32"  # float32 or bfloat16 (parameters and compute)
+    dtype: str = "float32"  # compute dtype (trainer and engine): float32 or bfloat16; master weights stay float32
     tiny_layers: int = 4  # tiny model: decoder layers
     tiny_hidden: int = 128  # tiny model: width
     tiny_experts: int = 8  # tiny model: experts per MoE layer (0 = dense)
@@ -50,6 +51,7 @@ class Config:
     guess_max: int = 7  # guess task: the secret is in 1..guess_max
     concurrent_agents: int = 64  # agents running at once in the rollout process
     episode_timeout: float = 120.0  # seconds before an agent is cancelled and its episode dropped
+    max_failed_groups: int = 20  # stop the run after this many groups in a row whose every episode failed
     tool_timeout: float = 5.0  # seconds of wall time for one tool call
     tool_memory_mb: int = 256  # address-space limit of a tool call
     # ---- algorithm ----
@@ -71,9 +73,11 @@ class Config:
     adam_eps: float = 1e-8  # AdamW epsilon: gradients much smaller than it get updates smaller than lr
     grad_clip: float = 1.0  # clip the global gradient norm (after reduction across ranks)
     micro_batch_tokens: int = 2048  # padded tokens per forward/backward (episodes sorted by length, little padding)
+    mini_batches: int = 1  # optimizer updates per pass over a batch (PPO mini-batches, in data order)
+    ppo_epochs: int = 1  # passes over each batch; more than one update makes the policy ratio and its clip matter
     max_staleness: int = 1  # max policy versions between sampling a token and training on it; 0 = on-policy
     queue_size: int = 32  # finished groups buffered between rollout and trainer (back-pressure beyond)
-    max_bad_steps: int = 3  # stop after this many non-finite losses in a row (each one is skipped)
+    max_bad_steps: int = 3  # stop after this many steps in a row with a non-finite gradient norm (each skipped)
 
     def __post_init__(self):
         # ---- derived values and cross-field checks ----
@@ -87,6 +91,9 @@ class Config:
             ("group_size", self.group_size >= 1, "must be >= 1"),
             ("prompts_per_step", self.prompts_per_step >= 1, "must be >= 1"),
             ("micro_batch_tokens", self.micro_batch_tokens >= 1, "must be >= 1"),
+            ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..batch_size ({self.batch_size})"),
+            ("ppo_epochs", self.ppo_epochs >= 1, "must be >= 1"),
+            ("max_failed_groups", self.max_failed_groups >= 1, "must be >= 1"),
             ("max_turns", self.max_turns >= 1, "must be >= 1"),
             ("guess_max", 1 <= self.guess_max <= 9, "must be in 1..9 (a guess is one digit)"),
             ("patch_size", self.patch_size >= 1 and self.image_size % self.patch_size == 0, "must divide image_size"),

@@ -153,7 +153,9 @@ class MoE(nn.Module):
         self.w_up = nn.Parameter(torch.empty(E, I, H))
         self.w_down = nn.Parameter(torch.empty(E, H, I))
 
-    def forward(self, x, replay=None):
+    def forward(self, x, replay=None, aux_mask=None):
+        """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: the tokens the load-balancing loss
+        counts (e.g. not padding nor prompt); all when None."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, H)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
@@ -172,9 +174,13 @@ class MoE(nn.Module):
         flat = experts.flatten()  # (N*k,) in token order
         counts = torch.bincount(flat, minlength=E)
         # load-balancing loss (Switch Transformer, arXiv:2101.03961): E * sum_e (share of assignments to e) *
-        # (mean router probability of e); 1 when balanced. Without it, in the guess task, two experts per layer
-        # came to take ~90% of the tokens and the rest stayed untrained
-        self.aux_loss = E * (counts / len(flat) * probs.mean(0)).sum() if torch.is_grad_enabled() else None
+        # (mean router probability of e) over the counted tokens; 1 when balanced
+        self.aux_loss = None
+        if torch.is_grad_enabled():
+            keep = torch.ones(len(x), device=x.device) if aux_mask is None else aux_mask.reshape(-1).to(probs.dtype)
+            n = keep.sum().clamp(min=1)
+            share = torch.zeros(E, device=x.device).index_add(0, flat, keep.repeat_interleave(k)) / (n * k)
+            self.aux_loss = E * (share * (probs * keep[:, None]).sum(0) / n).sum()
         order = flat.argsort(stable=True)  # grouped by expert
         if x.is_cpu and not torch.is_grad_enabled() and E * (C := int(counts.max())) < 2 * len(flat) + 16 * E:
             # generation on CPU, few rows per expert: pad each expert's rows to C, three batched matmuls over
@@ -205,11 +211,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MoE(c) if c.is_moe_layer(i) else MLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, cos, sin, mask, cache=None, replay=None):
+    def forward(self, x, cos, sin, mask, cache=None, replay=None, aux_mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            h, experts = self.mlp(h, replay)
+            h, experts = self.mlp(h, replay, aux_mask)
             return x + h, experts
         return x + self.mlp(h), None
 
@@ -299,7 +305,7 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,
-                return_routing=False, embeds=None, images=None, logits_at=None):
+                return_routing=False, embeds=None, images=None, logits_at=None, aux_mask=None):
         """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)].
         positions (B, T): rotary positions, default 0..T-1. pad_mask (B, T) bool: False on padding
         keys (left or right padding). cache/slots: KVCache and the slot of each row (B,); the tokens
@@ -307,7 +313,8 @@ class Transformer(nn.Module):
         routing: experts to replay. embeds (B, T, C): input embeddings to use instead of ids.
         images (N, C, H, W) float: the batch's images in row-major order of their placeholders; image i's
         features replace the embeddings of placeholders i * n_patches .. (i + 1) * n_patches - 1.
-        logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them)."""
+        logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them).
+        aux_mask (B, T) bool: the positions the MoE load-balancing loss (self.aux_loss) counts."""
         c = self.config
         B, T = ids.shape
         if positions is None:
@@ -338,7 +345,7 @@ class Transformer(nn.Module):
             replay = None
             if routing is not None and isinstance(layer.mlp, MoE):
                 replay, j = routing[j], j + 1
-            x, experts = layer(x, cos, sin, mask, kv(i) if cache is not None else None, replay)
+            x, experts = layer(x, cos, sin, mask, kv(i) if cache is not None else None, replay, aux_mask)
             if experts is not None:
                 routes.append(experts)
         moe = [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]

@@ -50,29 +50,41 @@ class Completion:
     routing: torch.Tensor | None  # (len(prompt) + len(ids), n_moe_layers, top_k) int16, -1 where not computed
 
 
-def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
-    """logits (B, V) -> ids (B,), logprobs (B,) under the filtered, renormalised distribution.
-    temperature 0 is greedy (its logprob is reported at temperature 1)."""
-    logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
-    if temperature == 0:
-        ids = logp.argmax(-1)
-        return ids, logp.gather(-1, ids[:, None])[:, 0]
+def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
+    """logits (B, V) -> logprobs (B, V) of the distribution sampled from: temperature, then top-k, then top-p
+    over the renormalised top-k (the order vLLM, SGLang and transformers use); -inf outside the filter. The
+    engine samples from it and the trainer recomputes with it, so both score a token under the same distribution."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     if 0 < top_k < logp.shape[-1]:
         kth = logp.topk(top_k, dim=-1).values[:, -1:]
-        # renormalise over the top-k before the top-p cut, as vLLM, SGLang and transformers do
         logp = torch.log_softmax(logp.masked_fill(logp < kth, -math.inf), dim=-1)
     if top_p < 1.0:  # keep the smallest prefix of the sorted distribution whose mass reaches top_p
         sorted_logp, order = logp.sort(dim=-1, descending=True)
         p = sorted_logp.exp()
         drop_sorted = (p.cumsum(-1) - p) >= top_p
         logp = torch.log_softmax(logp.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf), dim=-1)
-    # inverse-CDF sampling: one uniform per row against the running sum of probabilities (multinomial
-    # draws an exponential per vocabulary entry: ~0.6 ms of a ~8 ms decode step at 64 rows on CPU). The sum
-    # is in float64 and u stays below its total, so a token of probability 0 is never picked.
+    return logp
+
+
+def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
+    """logits (B, V) -> ids (B,), logprobs (B,) under the filtered, renormalised distribution.
+    temperature 0 is greedy (its logprob is reported at temperature 1)."""
+    if temperature == 0:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        ids = logp.argmax(-1)
+        return ids, logp.gather(-1, ids[:, None])[:, 0]
+    logp = filtered_logp(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    # inverse-CDF sampling: one uniform per row against the running sum of probabilities (multinomial draws an
+    # exponential per vocabulary entry). The sum is in float64 and u stays below its total, so a token of
+    # probability 0 is never picked.
     cdf = logp.exp().cumsum(-1, dtype=torch.float64)
     u = torch.rand(len(cdf), 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     ids = torch.searchsorted(cdf, torch.minimum(u, cdf[:, -1:].nextafter(u.new_zeros(()))), right=True)[:, 0]
     return ids, logp.gather(-1, ids[:, None])[:, 0]
+
+
+class ContextFull(ValueError):
+    """The conversation has reached the engine's max_len: the rollout trains the episode so far as truncated."""
 
 
 @dataclass(eq=False)
@@ -93,7 +105,7 @@ class TorchEngine:
     rows) and one decode (all rows). A finished row's slot is refilled at the next step."""
 
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
-                 max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None):
+                 max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None, chunk_tokens=8192):
         self.model, self.c = model.eval(), model.config
         p = next(model.parameters())
         self.cache = KVCache(self.c, slots, max_len, dtype=p.dtype, device=p.device)
@@ -103,6 +115,7 @@ class TorchEngine:
                                   dtype=torch.int16) if self.c.n_moe_layers else None
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.max_new, self.stop_ids, self.seed, self.max_len = max_new_tokens, set(stop_ids), seed, max_len
+        self.chunk_tokens = chunk_tokens  # padded tokens per prefill forward: bounds its activations
         if self.c.vision_layers:  # a sampled placeholder has no image: end the row there (the agent rejects
             self.stop_ids.add(self.c.image_token_id)  # the episode), else a re-prefill would splice a feature in
         self.shared_version, self.lock, self.source = version, lock, source  # weights shared with the trainer
@@ -118,7 +131,7 @@ class TorchEngine:
             raise ValueError(f"prompt ids must be ints in [0, {self.c.vocab_size})")  # not the engine's next step
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
         if max_new <= 0:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
+            raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
         req = _Request(list(ids), len(ids), max_new, asyncio.get_running_loop().create_future(), [], [],
                        images=None if images is None else images.to(self.cache.k.device))
         self.waiting.append(req)
@@ -135,34 +148,46 @@ class TorchEngine:
         # reseeding per version makes a batch's samples depend only on (seed, version): resumable runs
         self.generator.manual_seed(self.seed * 1_000_003 + version)
         # recompute in-flight rows' keys under the new weights, so every token tagged `version` is
-        # exactly what those weights would sample (the trainer's recompute then matches it)
+        # exactly what those weights would sample (the trainer's recompute then matches it); no logits needed
         rows = [r for r in self.active.values() if r.fed > 0]
         if rows:
-            self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows), prefill=True)
+            self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows), prefill=True, logits=False)
+
+    def _forward(self, rows, chunks, start, prefill=False, logits=True):
+        """Run each row's chunk of tokens at positions start.. in its slot; returns the logits at each row's last
+        chunk token (B, V) and records routing for those positions. prefill: the chunks start at 0 and hold every
+        placeholder, so the rows' images go in (decode steps are text only). Rows go through the model in groups
+        of at most `chunk_tokens` padded tokens, and only the last position's logits are computed: (B, T, V) for
+        a real vocabulary would not fit."""
+        out, i = [], 0
+        while i < len(rows):
+            n, T = 1, len(chunks[i])
+            while i + n < len(rows) and (n + 1) * max(T, len(chunks[i + n])) <= self.chunk_tokens:
+                n, T = n + 1, max(T, len(chunks[i + n]))
+            out.append(self._forward_rows(rows[i:i + n], chunks[i:i + n], start[i:i + n], prefill, logits))
+            i += n
+        return torch.cat(out) if logits else None
 
     @torch.inference_mode()  # not no_grad: it also skips autograd's view and version tracking, ~20% of a small step
-    def _forward(self, rows, chunks, start, prefill=False):
-        """Run each row's chunk of tokens at positions start.. in its slot; returns logits at each row's
-        last chunk token (B, V) and records routing for those positions. prefill: the chunks start at 0 and
-        hold every placeholder, so the rows' images go in (decode steps are text only)."""
+    def _forward_rows(self, rows, chunks, start, prefill, logits):
         # Inputs are built as one tensor each and routing is recorded with one indexed write: building
         # and copying small tensors row by row cost ~1 ms per decode step at 64 rows (~10% of the step).
-        lens, dev = [len(ch) for ch in chunks], self.cache.k.device
-        T = max(lens)
+        lens, dev = torch.tensor([len(ch) for ch in chunks]), self.cache.k.device
+        T = int(lens.max())
         ids = torch.tensor([ch + [0] * (T - len(ch)) for ch in chunks], device=dev)  # (B, T), right-padded
-        # positions (B, T); padding continues them: written past the row, masked
-        pos = torch.tensor(start)[:, None] + torch.arange(T)
+        pos = torch.tensor(start)[:, None] + torch.arange(T)  # (B, T); padding continues them: written past the row
         slots = torch.tensor([r.slot for r in rows])  # (B,)
         images = [r.images for r in rows if r.images is not None] if prefill else []
-        logits, routing = self.model(ids, positions=pos.to(dev), cache=self.cache, slots=slots.to(dev),
-                                     return_routing=True, images=torch.cat(images) if images else None)
-        for r, n, s in zip(rows, lens, start):
+        last = torch.arange(T) == (lens - 1)[:, None]  # (B, T): each row's last token
+        out, routing = self.model(ids, positions=pos.to(dev), cache=self.cache, slots=slots.to(dev), return_routing=True,
+                                  images=torch.cat(images) if images else None, logits_at=last.to(dev) & logits)
+        for r, n, s in zip(rows, lens.tolist(), start):
             r.fed = s + n
         if routing is not None:  # routing (n_moe, B, T, k) -> the slots' records, at the rows' real positions
-            real = torch.arange(T) < torch.tensor(lens)[:, None]  # (B, T): not padding
+            real = torch.arange(T) < lens[:, None]  # (B, T): not padding
             self.routing[slots[:, None].expand(-1, T)[real], pos[real]] = \
                 routing.permute(1, 2, 0, 3).to("cpu", torch.int16)[real]  # (n_real, n_moe, k)
-        return logits[torch.arange(len(rows), device=dev), torch.tensor(lens, device=dev) - 1]
+        return out  # (B, V) in row order
 
     def step(self):
         """One engine iteration. Returns the number of rows that decoded."""
@@ -259,6 +284,32 @@ class Malformed(Exception):
     pass
 
 
+COUNTS = ("agent_errors", "agent_timeouts", "malformed")  # episodes dropped, by cause
+
+
+def stop_ids(tok, model_dir):
+    """Every end-of-turn id: the tokenizer's eos, <|im_end|> if it has one, and generation_config.json's eos ids."""
+    ids = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None}
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        eos = json.load(open(path)).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def save_tokenizer(src, dst):
+    """The tokenizer (its chat template too, in whatever file it came) and generation_config.json beside weights."""
+    _tokenizer(src).save_pretrained(dst)
+    if os.path.isfile(os.path.join(src, "generation_config.json")):
+        shutil.copy(os.path.join(src, "generation_config.json"), dst)
+
+
 def check_tokens(ep, calls):
     """The trainer must train exactly the tokens the engine saw and sampled: every call's prompt is a
     prefix of the episode, its sampled ids follow it with loss_mask 1, and nothing else has mask 1; its
@@ -284,47 +335,59 @@ def check_tokens(ep, calls):
     if sum(ep.loss_mask) != sampled:
         raise ValueError(f"token mismatch: loss_mask marks {sum(ep.loss_mask)} tokens, the engine sampled {sampled}")
     ep.logprobs, ep.versions, ep.routing = logprobs, versions, routing
-    return torch.tensor([t for prompt, c, _ in calls for t in c.ids], dtype=torch.long)
+    return logprobs, versions, routing, torch.tensor([t for _, c, _ in calls for t in c.ids], dtype=torch.long)
+
+
+def truncated_episode(calls):
+    """An agent stopped by ContextFull: the conversation up to the last completion, trained as it stands
+    (dropping it would bias training toward short episodes), reward 0."""
+    prompt, c, images = calls[-1]
+    ep = agent_mod.Episode(ids=prompt + c.ids, loss_mask=[0] * (len(prompt) + len(c.ids)),
+                           images=list(images) if images is not None else [], info={"truncated": 1})
+    for prompt, c, _ in calls:
+        ep.loss_mask[len(prompt):len(prompt) + len(c.ids)] = [1] * len(c.ids)
+    ep.logprobs, ep.versions = [0.0] * len(ep.ids), [-1] * len(ep.ids)  # filled in by check_tokens
+    return ep
 
 
 # ---- the rollout process: agents -> episodes -> the shared-memory queue ----
 
-def episode_to_msg(ep, index, engine_ids):
-    """An episode as a few tensors (the queue moves them to shared memory, a group at a time: `pack`)."""
-    return {"engine_ids": engine_ids, "tokens": torch.tensor([ep.ids, ep.loss_mask, ep.versions], dtype=torch.long),  # (3, T)
-            "logprobs": torch.tensor(ep.logprobs, dtype=torch.float32),  # (T,)
-            "routing": ep.routing, "reward": float(ep.reward), "group": ep.group, "index": index,
-            "images": torch.stack(ep.images).float() if ep.images else None,  # (N, C, H, W) in placeholder order
-            "info": {k: float(v) for k, v in ep.info.items()}}
+def episode_to_msg(ep, index, group, record):
+    """An episode as named tensors (the queue moves them to shared memory, a group at a time: `pack`). record:
+    check_tokens' (logprobs, versions, routing, engine_ids); the group is the rollout's, never the agent's."""
+    logprobs, versions, routing, engine_ids = record
+    return {"ids": torch.tensor(ep.ids), "loss_mask": torch.tensor(ep.loss_mask), "versions": torch.tensor(versions),
+            "logprobs": torch.tensor(logprobs, dtype=torch.float32), "routing": routing,  # (T, n_moe, k) or None
+            "engine_ids": engine_ids, "images": torch.stack(ep.images).float() if ep.images else None,  # (N, C, H, W)
+            "reward": float(ep.reward), "group": group, "index": index, "info": {k: float(v) for k, v in ep.info.items()}}
 
 
-PACKED = {"engine_ids": 0, "tokens": -1, "logprobs": 0, "routing": 0, "images": 0}  # tensor fields: their length dim
+PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids", "images")  # tensors, length first
 
 
 def pack(group):
-    """A group's messages -> one queue item whose tensor fields are concatenated over the episodes (along
-    their length dim): the queue then hands over 5 shared-memory tensors per group instead of 5 per
-    episode, each handover ~1 ms of both processes' time."""
+    """A group's messages -> one queue item whose tensor fields are concatenated over the episodes: the queue
+    then hands over a few shared-memory tensors per group instead of a few per episode (~1 ms each)."""
     item = {"msgs": [{k: v for k, v in m.items() if k not in PACKED} for m in group]}
-    for k, dim in PACKED.items():
-        ts = [m[k] for m in group]
-        kept = [t for t in ts if t is not None]
-        item[k] = torch.cat(kept, dim) if kept else None, [-1 if t is None else t.shape[dim] for t in ts]
+    for k in PACKED:
+        kept = [m[k] for m in group if m[k] is not None]
+        item[k] = torch.cat(kept) if kept else None, [-1 if m[k] is None else len(m[k]) for m in group]
     return item
 
 
 def unpack(item):
     """pack's inverse: the group's messages (their tensors are views of the shared ones)."""
     msgs = item["msgs"]
-    for k, dim in PACKED.items():
+    for k in PACKED:
         t, sizes = item[k]
-        parts = iter(t.split([s for s in sizes if s >= 0], dim) if t is not None else ())
+        parts = iter(t.split([s for s in sizes if s >= 0]) if t is not None else ())
         for m, s in zip(msgs, sizes):
             m[k] = next(parts) if s >= 0 else None
     return msgs
 
 
-def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers=None):
+def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers=None,
+                 counts=None):
     """Entry of the rollout process. weights: the shared state dict the engine computes with (torch);
     servers: [(url, log path or None)] of the inference servers (vllm, sglang)."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a trainer killed with -9 takes this process along
@@ -337,28 +400,28 @@ def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_i
         # not asyncio.run: on an error its cleanup cancels every task at once, and a tool subprocess cancelled
         # that way (CPython 3.11) never finishes, so the process would hang instead of exiting below
         asyncio.new_event_loop().run_until_complete(
-            _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers))
+            _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers, counts))
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # now: sys.exit would first wait for threads still blocked in HTTP calls to servers
 
 
-async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers):
+async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers, counts):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    stop_ids = [tok.convert_tokens_to_ids("<|im_end|>")]
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                    max_len=cfg.engine_max_len, stop_ids=stop_ids, seed=cfg.seed, version=version)
+                    max_len=cfg.engine_max_len, stop_ids=stop_ids(tok, tokenizer_dir), seed=cfg.seed, version=version)
     if servers is not None:
         engine = ServerEngine(cfg.engine, [u for u, _ in servers], logs=[log for _, log in servers],
                               model_config=model_cfg, weights_dir=os.path.join(cfg.out_dir, "engine_weights"),
                               timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, **sampling)
     else:
-        if torch.cuda.is_available():  # a copy on the GPU, refreshed from the shared tensors at each new version
-            model, source = Transformer(model_cfg).cuda(), weights
+        dtype = getattr(torch, cfg.dtype)  # the compute dtype, as in the trainer
+        if torch.cuda.is_available() or dtype != torch.float32:  # a copy, refreshed from the shared tensors
+            model, source = Transformer(model_cfg).to("cuda" if torch.cuda.is_available() else "cpu", dtype), weights
             model.load_state_dict(weights)
-        else:  # on CPU the parameters ARE the shared tensors: nothing to copy
+        else:  # on CPU in float32 the parameters ARE the shared tensors: nothing to copy
             with torch.device("meta"):
                 model = Transformer(model_cfg)
             model.load_state_dict(weights, assign=True, strict=True)
@@ -367,7 +430,7 @@ async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start
             model.lm_head.weight = model.model.embed_tokens.weight
         engine = TorchEngine(model, slots=cfg.engine_slots, lock=lock, source=source, **sampling)
     tasks = [asyncio.create_task(engine.run()),
-             asyncio.create_task(produce(cfg, engine, tok, out_q, dropped, start_index, model_cfg.vocab_size))]
+             asyncio.create_task(produce(cfg, engine, tok, out_q, dropped, start_index, model_cfg.vocab_size, counts))]
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for t in tasks:
         t.cancel()
@@ -375,17 +438,17 @@ async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start
         t.result()
 
 
-async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size):
+async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, counts=None):
     """Run agents, `concurrent_agents` at a time, and put finished groups on the queue: one item per group,
     its episodes that did not fail, once all group_size of them have ended, so a batch never splits a group
     (its advantages compare the whole group). Admission bounds staleness: group g may start only while
     the live groups (started, not all failed, not dropped by the trainer) number fewer than
     (version + 1 + max_staleness) * prompts_per_step. With max_staleness=0 this is synchronous RL: batch v
-    is sampled entirely by weights v."""
+    is sampled entirely by weights v. counts: the COUNTS so far (a resumed run goes on counting)."""
     run = agent_mod.load_agent(cfg.task)
     start_version = engine.version
-    counts = {"agent_errors": 0, "agent_timeouts": 0, "malformed": 0}
-    G, failed, running, groups = cfg.group_size, 0, {}, {}
+    counts = dict.fromkeys(COUNTS, 0) | (counts or {})
+    G, failed, in_a_row, running, groups = cfg.group_size, 0, 0, {}, {}
     index = start_index = -(-start_index // G) * G  # resume at the first group not yet started (whole groups only)
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
     knobs = dict(seed=cfg.seed, group_size=cfg.group_size, guess_max=cfg.guess_max, max_turns=cfg.max_turns,
@@ -402,14 +465,17 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             agent_task.cancel()
             agent_task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nothing to report later
             raise asyncio.TimeoutError(f"agent still running after episode_timeout={cfg.episode_timeout} s")
-        ep = agent_task.result()
+        if isinstance(agent_task.exception(), ContextFull) and llm.calls:
+            ep = truncated_episode(llm.calls)
+        else:
+            ep = agent_task.result()
         try:
-            engine_ids = check_tokens(ep, llm.calls)
+            record = check_tokens(ep, llm.calls)
             check_images(ep.ids, ep.images, getattr(engine, "c", None))  # e.g. a placeholder the policy sampled
             ep.validate(vocab_size)
         except ValueError as e:  # nothing malformed reaches the trainer
             raise Malformed(str(e)) from e
-        return episode_to_msg(ep, index, engine_ids)
+        return episode_to_msg(ep, index, index // G, record)
 
     while True:
         published = engine.shared_version.value if engine.shared_version is not None else engine.version
@@ -442,8 +508,12 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                 kept = sorted((m for m in groups.pop(i // G) if m is not None), key=lambda m: m["index"])
                 if kept:
                     pending.append(pack(kept))
+                    in_a_row = 0
                 else:
-                    failed += 1
+                    failed, in_a_row = failed + 1, in_a_row + 1
+                    if in_a_row >= cfg.max_failed_groups:  # an agent that always fails would have us spin for good
+                        raise RuntimeError(f"{in_a_row} groups in a row had no episode that did not fail "
+                                           f"(max_failed_groups); the last error: {err!r}")
         while pending:
             try:
                 out_q.put_nowait(pending[0])
@@ -452,7 +522,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                 break
 
 
-def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir):
+def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, counts=None):
     """Start the rollout process (trainer rank 0). torch: weights are copied to shared memory once and
     later versions written into them by `publish`. vllm, sglang: weights go to the servers by disk
     (`write_weights`); the servers are started here (or given by cfg.server_urls) and stopped by `close`."""
@@ -467,7 +537,8 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
     version, lock, dropped = ctx.Value("l", start_version), ctx.Lock(), ctx.Value("l", 0)
     out_q = ctx.Queue(maxsize=cfg.queue_size)
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
-                       args=(cfg, model_cfg, shared, version, lock, out_q, dropped, start_index, tokenizer_dir, servers))
+                       args=(cfg, model_cfg, shared, version, lock, out_q, dropped, start_index, tokenizer_dir, servers,
+                             counts))
     proc.start()
     return Rollout(proc, out_q, shared, version, lock, dropped, procs, write)
 
@@ -480,18 +551,19 @@ class Rollout:
         self.servers, self.write = servers, write  # [(server process, log path)]; the weight writer of server engines
 
     def get(self, timeout=1.0):
-        """Next group: a list of episode messages; raises if the rollout process or a server it uses died."""
-        while True:
-            try:
-                return unpack(self.q.get(timeout=timeout))
-            except (OSError, EOFError) as e:  # the sender died while the item's tensors were being handed over
-                raise RuntimeError(f"rollout process died while sending episodes ({e!r})") from e
-            except queue_mod.Empty:
-                for p, log in self.servers:
-                    if p.poll() is not None:
-                        raise RuntimeError(f"inference server died (exit code {p.returncode}){log_tail(log)}")
-                if not self.proc.is_alive():
-                    raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}); its traceback is above")
+        """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
+        rollout process or a server it uses died."""
+        try:
+            return unpack(self.q.get(timeout=timeout))
+        except (OSError, EOFError) as e:  # the sender died while the item's tensors were being handed over
+            raise RuntimeError(f"rollout process died while sending episodes ({e!r})") from e
+        except queue_mod.Empty:
+            for p, log in self.servers:
+                if p.poll() is not None:
+                    raise RuntimeError(f"inference server died (exit code {p.returncode}){log_tail(log)}")
+            if not self.proc.is_alive():
+                raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}); its traceback is above")
+            return None
 
     def publish(self, state, version):
         """Hand new weights to the engine as `version`: copied into its shared tensors (torch), or written
@@ -635,7 +707,7 @@ class ServerEngine:
     async def generate(self, ids, max_new_tokens=None) -> Completion:
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
         if max_new <= 0:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
+            raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
         await self.open.wait()  # closed while the servers change weights
         version, i = self.version, next(self.calls)
         p = dict(self.params, max_new_tokens=max_new, seed=(self.seed * 1_000_003 + i) % 2**31, experts=bool(self.moe_layers))
@@ -707,9 +779,7 @@ def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     shutil.rmtree(tmp, ignore_errors=True)
     state = dict(state, **{"lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"]).clone()})
     save_pretrained(tmp, dataclasses.replace(model_cfg, tie_word_embeddings=False), state)
-    for f in os.listdir(tokenizer_dir):
-        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(os.path.join(tokenizer_dir, f), tmp)
+    save_tokenizer(tokenizer_dir, tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final

@@ -27,33 +27,38 @@ def make_msgs(model, n, seed):
         mask[0], mask[-1] = 0, 1
         with torch.no_grad():
             _, routing = model(ids[None], return_routing=True, images=images)  # (L, 1, T, k)
-        msgs.append({"tokens": torch.stack([ids, mask, torch.where(mask == 1, 0, -1)]),
+        msgs.append({"ids": ids, "loss_mask": mask, "versions": torch.where(mask == 1, 0, -1),
                      "logprobs": -torch.rand(T, generator=g) * mask, "routing": routing[:, 0].transpose(0, 1).short(),
                      "engine_ids": ids[mask == 1], "reward": float(i % 3), "group": i // 3, "index": i, "info": {}, "images": images})
     return msgs
 
 
-def main(out, vision=False):
-    rank, world, device = train.compute_init()
-    cfg = config.load(["--micro_batch_tokens=24", "--grad_clip=0.5", "--max_staleness=0"])
+def main(out, mode=""):
+    """mode: "vision" (images on one rank only), "kl" (a reference model: ranks with an empty micro-batch must
+    still run its forward), "mini" (two updates per batch: the mini-batches are the same on 1 and 2 ranks)."""
+    vision = mode == "vision"
+    cfg = config.load(["--micro_batch_tokens=24", "--grad_clip=0.5", "--max_staleness=0"] +
+                      {"kl": ["--kl_coef=0.05"], "mini": ["--mini_batches=2", "--policy_loss=cispo"]}.get(mode, []))
+    rank, world, device, _ = train.compute_init(cfg)
     c = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                     **(dict(vision_layers=1, vision_hidden=16, image_size=8, patch_size=4, image_token_id=49) if vision else {}))
     model = Transformer(c).init_weights(0, std=0.2)
+    ref = Transformer(c).init_weights(1, std=0.2).requires_grad_(False) if mode == "kl" else None
     msgs = make_msgs(model, 7, 1)
     if world > 1:
         from torch.distributed.fsdp import fully_shard
-        for block in model.model.layers:
-            fully_shard(block)
-        fully_shard(model)
+        for m in [model] + ([ref] if ref is not None else []):
+            for block in m.model.layers:
+                fully_shard(block)
+            fully_shard(m)
     # SGD: the update is linear in the gradient, so equal gradients must give equal weights (Adam's first
     # step, g / (|g| + eps), would turn 1e-9 rounding differences of near-zero gradients into lr-sized ones)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     import estimators
     adv = estimators.grpo(rewards=torch.tensor([m["reward"] for m in msgs]), group_ids=torch.tensor([m["group"] for m in msgs]))
-    share = {"micro_batches": train.split_batch(msgs, adv.tolist(), world, cfg.micro_batch_tokens)[rank],
-             "num_tokens": float(sum(m["tokens"][1].sum() for m in msgs)), "num_seqs": float(len(msgs))}
-    train.train_step(model, opt, share, cfg, 0, world)
+    share = train.make_shares(msgs, adv.tolist(), world, cfg)[rank]
+    train.train_step(model, opt, share, cfg, 0, world, ref)
     grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
              for k, p in model.named_parameters()}
     weights = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for k, p in model.named_parameters()}
@@ -69,4 +74,4 @@ def main(out, vision=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], vision=sys.argv[2:] == ["vision"])
+    main(sys.argv[1], *sys.argv[2:])

@@ -218,7 +218,7 @@ def test_episode_holds_exactly_the_sampled_ids(tok):
     msgs = collect(cfg, engine, tok, 8)
     changed = 0
     for m in msgs:
-        ids, mask = m["tokens"][0], m["tokens"][1].bool()
+        ids, mask = m["ids"], m["loss_mask"].bool()
         assert torch.equal(ids[mask], m["engine_ids"])
         sampled_runs = [ids[s:e].tolist() for s, e in runs(mask)]
         for r in sampled_runs:
@@ -365,12 +365,13 @@ def test_publish_does_not_hang_on_the_lock_of_a_dead_rollout_process():
 
 def test_pack_unpack_round_trip_with_missing_fields():
     """A group crosses the queue as one item (a tensor per field); episodes without routing or images keep None."""
-    group = [{"engine_ids": torch.tensor([1, 2]), "tokens": torch.zeros(3, 5, dtype=torch.long), "logprobs": -torch.rand(5),
-              "routing": None, "images": None, "reward": 1.0, "index": 0},
-             {"engine_ids": torch.tensor([3]), "tokens": torch.ones(3, 7, dtype=torch.long), "logprobs": -torch.rand(7),
-              "routing": None, "images": torch.rand(2, 3, 4, 4), "reward": 0.0, "index": 1}]
+    def msg(n, fill, images):
+        return {"engine_ids": torch.tensor([1, 2][:n % 3]), "ids": torch.full((n,), fill), "loss_mask": torch.ones(n),
+                "versions": torch.zeros(n, dtype=torch.long), "logprobs": -torch.rand(n), "routing": None,
+                "images": images, "reward": 1.0, "index": fill}
+    group = [msg(5, 0, None), msg(7, 1, torch.rand(2, 3, 4, 4))]
     item = rollout.pack([dict(m) for m in group])
-    assert item["tokens"][0].shape == (3, 12) and item["routing"][0] is None and item["images"][0].shape[0] == 2
+    assert item["ids"][0].shape == (12,) and item["routing"][0] is None and item["images"][0].shape[0] == 2
     for a, b in zip(group, rollout.unpack(item)):
         assert a.keys() == b.keys()
         for k in a:

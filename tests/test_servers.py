@@ -187,7 +187,7 @@ def test_agents_train_exactly_the_server_tokens(tmp_path, tok):
     msgs = collect(cfg, e, tok, 4)
     returned = [fake.outputs(b["input_ids"], b["sampling_params"]) for b in fake.calls("/generate")]
     for m in msgs:
-        ids, mask = m["tokens"][0], m["tokens"][1].bool()
+        ids, mask = m["ids"], m["loss_mask"].bool()
         assert torch.equal(ids[mask], m["engine_ids"])
         runs, start = [], None  # each run of sampled tokens is exactly one answer of the server
         for i, k in enumerate(mask.tolist() + [False]):
@@ -197,7 +197,7 @@ def test_agents_train_exactly_the_server_tokens(tmp_path, tok):
                 runs.append(ids[start:i].tolist())
                 start = None
         assert runs and all(r in returned for r in runs)
-        assert (m["tokens"][2][mask] == 0).all()  # versions tagged
+        assert (m["versions"][mask] == 0).all()  # versions tagged
     fake.close()
 
 
@@ -324,8 +324,8 @@ def test_vllm_episodes_are_the_server_tokens_with_versions_and_logprobs(vllm_ser
     msgs = collect(cfg, e, tok, 4)
     diffs = []
     for m in msgs:
-        ids, mask = m["tokens"][0], m["tokens"][1].bool()
-        assert torch.equal(ids[mask], m["engine_ids"]) and (m["tokens"][2][mask] == 0).all()
+        ids, mask = m["ids"], m["loss_mask"].bool()
+        assert torch.equal(ids[mask], m["engine_ids"]) and (m["versions"][mask] == 0).all()
         sampled = m["engine_ids"].tolist()
         assert any(sampled[:len(r)] == r for r in returned)  # the first turn is one answer of the server
         with torch.no_grad():  # trainer-side recompute with model_moe on the same ids

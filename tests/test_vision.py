@@ -132,7 +132,7 @@ def test_engine_logprobs_with_images_over_turns_match_the_trainer(tok):
     m, new = count_model(tok, 2), count_model(tok, 3)
     old = count_model(tok, 2)
     eps = count_episodes(tok, engine_for(tok, m, seed=1), swap=(5, new))  # the re-prefill after the swap has images
-    msgs = [episode_to_msg(ep, i, engine_ids) for i, (ep, engine_ids) in enumerate(eps)]
+    msgs = [episode_to_msg(ep, i, i // 8, record) for i, (ep, record) in enumerate(eps)]
     assert all(len(ep.images) == 3 and msg["images"].shape == (3, 3, 8, 8) for (ep, _), msg in zip(eps, msgs))
     b = collate(msgs, "cpu")  # the trainer's batch: images of all rows, in row order
     assert b["images"].shape == (24, 3, 8, 8)
