@@ -1,21 +1,17 @@
 """
-model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch.
+model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch that also runs
+Llama and Qwen2 checkpoints (no q/k norm; Qwen2's q/k/v biases; Llama 3 RoPE scaling), GGUF files included.
 
-- Module and parameter names mirror Hugging Face's Qwen3 / Qwen3-MoE, so a checkpoint loads with a
-  key-for-key copy; the only conversion is experts, stored stacked here ([E, out, in], grouped
-  matmuls over all experts) and per-expert on disk, as published checkpoints are.
+- Module and parameter names mirror Hugging Face's, so a checkpoint loads with a key-for-key copy; the only
+  conversion is experts, stored stacked here ([E, out, in], grouped matmuls) and per-expert on disk.
 - One forward serves training (full causal sequences) and generation (a KV cache with one slot per
   request, each row at its own length), so the engine and the trainer run the same code.
 - MoE routing can be captured ([n_moe_layers, B, T, top_k]) and replayed: replay fixes which experts
   run, the router still gets gradient through the combine weights (arXiv:2510.11370, "routing replay").
 - Optional vision encoder (vision_layers > 0): images become features at the <|image_pad|> placeholders,
-  n_patches per image, so engine, trainer and agent see an image as the same run of tokens. A real
-  vision-language checkpoint (Qwen2.5-VL, Qwen3-VL) is not loaded here: it needs its own vision tower
-  (windowed attention, 2x2 patch merger), its preprocessing (resize, normalise, a placeholder count that
-  depends on the image) and M-RoPE positions. On a server engine its images would go with the token ids
-  (vLLM: a tokens prompt plus multi_modal_data; SGLang: /generate with input_ids and image_data), and the
-  trainer would recompute on the same preprocessed pixels.
+  n_patches per image (real vision-language checkpoints are not loaded: see README).
 """
+import math
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -26,7 +22,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                 "Qwen2ForCausalLM": "qwen2"}  # -> family
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 VISION_FIELDS = ("vision_layers", "vision_hidden", "vision_heads", "image_size", "image_channels", "patch_size",
                  "image_token_id")
 
@@ -50,6 +48,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list = field(default_factory=list)
+    family: str = "qwen3"  # qwen3 (q/k RMSNorm; Qwen3-MoE when num_experts > 0), llama, qwen2 (q/k/v biases)
+    attention_bias: bool = False  # biases on q, k, v and o (Llama's and Qwen3's attention_bias)
+    rope_scaling: dict = None  # Llama 3 RoPE scaling, LLAMA3_ROPE's keys; None: plain RoPE
     # vision encoder: a ViT in miniature whose features replace the <|image_pad|> embeddings; 0 layers = text only
     vision_layers: int = 0
     vision_hidden: int = 64
@@ -76,21 +77,29 @@ class ModelConfig:
         if arch not in ARCHITECTURES:
             raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
         rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"{path}: rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        rope = {"rope_type": rope.get("type", "default"), **rope}  # "type": the older configs' name
+        # what these families may set and this model does not implement is refused by name, never ignored
+        for key, ok in [("rope_type", ("default", "llama3")), ("hidden_act", ("silu",)), ("mlp_bias", (False,)),
+                        ("use_sliding_window", (False,)), ("partial_rotary_factor", (1.0,))]:
+            if (value := {**d, **rope}.get(key, ok[0])) not in ok:
+                raise ValueError(f"{path}: {key}={value!r} is not supported (supported: {', '.join(map(repr, ok))})")
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
-        kw["rope_theta"] = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        kw.update(family=ARCHITECTURES[arch], rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+                  rope_scaling={k: rope[k] for k in LLAMA3_ROPE} if rope["rope_type"] == "llama3" else None)
         kw["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-        kw["num_experts"] = d.get("num_experts", d.get("num_local_experts", 0)) if arch == ARCHITECTURES[1] else 0
+        kw["num_experts"] = d.get("num_experts", d.get("num_local_experts", 0)) if "Moe" in arch else 0
         return cls(**kw)
 
     def to_hf(self):
         # vision fields only for a model that has an encoder: a text-only config.json stays as it was
-        d = {f.name: getattr(self, f.name) for f in fields(self) if self.vision_layers or f.name not in VISION_FIELDS}
+        skip = ("family", "rope_scaling") + (() if self.vision_layers else VISION_FIELDS)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         moe = self.num_experts > 0
-        d.update(architectures=[ARCHITECTURES[moe]], model_type="qwen3_moe" if moe else "qwen3", hidden_act="silu",
-                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta}, attention_bias=False,
-                 torch_dtype="float32", num_local_experts=self.num_experts)
+        arch = "Qwen3MoeForCausalLM" if moe else next(a for a, f in ARCHITECTURES.items() if f == self.family)
+        rope = {"rope_type": "llama3" if self.rope_scaling else "default", "rope_theta": self.rope_theta}
+        d.update(architectures=[arch], model_type="qwen3_moe" if moe else self.family, hidden_act="silu",
+                 rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
+                 num_local_experts=self.num_experts)
         return d
 
 
@@ -103,6 +112,18 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
+def inv_freq(c: ModelConfig, device):
+    """-> (hd/2,) rotary frequencies in fp32, as the reference computes them. Llama 3 scaling (arXiv:2407.21783):
+    wavelengths above original_max / low_freq_factor are stretched by factor, those below original_max /
+    high_freq_factor kept, and the ones between blended linearly in original_max / wavelength."""
+    f = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float() / c.head_dim))
+    if s := c.rope_scaling:
+        lo, hi = s["low_freq_factor"], s["high_freq_factor"]
+        keep = ((s["original_max_position_embeddings"] * f / (2 * math.pi) - lo) / (hi - lo)).clamp(0, 1)
+        f = (1 - keep) * f / s["factor"] + keep * f
+    return f
+
+
 def rope(x, cos, sin):  # x (B, H, T, D); rotate-half convention of the Qwen/Llama checkpoints: x * cos +
     # cat(-x2, x1) * sin, as (x2, x1) * (-sin, sin) (sin comes signed): the halves swap with one flip of a view
     return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin
@@ -112,11 +133,13 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
-        self.q_norm, self.k_norm = RMSNorm(self.hd, c.rms_norm_eps), RMSNorm(self.hd, c.rms_norm_eps)
+        qkv_bias = c.attention_bias or c.family == "qwen2"  # Qwen2: biases on q, k, v, none on o
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.attention_bias)
+        norm = (lambda: RMSNorm(self.hd, c.rms_norm_eps)) if c.family == "qwen3" else nn.Identity  # per head
+        self.q_norm, self.k_norm = norm(), norm()
 
     def forward(self, x, cos, sin, mask, cache=None):
         B, T, _ = x.shape
@@ -318,9 +341,7 @@ class Transformer(nn.Module):
             images = x.new_zeros(0, c.image_channels, c.image_size, c.image_size)
         if images is not None:
             x = self.splice_images(ids, x, images)
-        # rotary tables in fp32, as the reference computes them
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=ids.device).float() / c.head_dim))
-        freqs = positions[:, None, :, None].float() * inv_freq  # (B, 1, T, hd/2)
+        freqs = positions[:, None, :, None].float() * inv_freq(c, ids.device)  # (B, 1, T, hd/2)
         cos, sin = freqs.cos(), freqs.sin()
         cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)  # (B, 1, T, hd)
         if cache is not None:
@@ -365,6 +386,9 @@ class Transformer(nn.Module):
     # ---- Hugging Face checkpoints ----
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
+        """path: a Hugging Face directory, or a .gguf file (converted once, into convert_gguf's default out_dir)."""
+        if str(path).endswith(".gguf"):
+            path = convert_gguf(str(path))
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
@@ -447,3 +471,27 @@ def save_pretrained(path, c: ModelConfig, sd):
     save_file(hf, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(c.to_hf(), f, indent=2)
+
+
+
+def convert_gguf(gguf_path, out_dir=None):
+    """A GGUF file -> a plain Hugging Face directory (config.json, fp32 model.safetensors, tokenizer), dequantized by
+    transformers' own GGUF loader (needs the gguf and accelerate packages). Done once: an existing out_dir (default:
+    the file's path + ".hf") is reused. Returns out_dir."""
+    out_dir = out_dir or gguf_path + ".hf"
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers marks the model quantized and refuses to save it; its config without the quantization, plus
+    # the architecture (a GGUF-derived config has none), is a plain checkpoint's (bos/eos ids kept)
+    d = {k: v for k, v in hf.config.to_dict().items() if k != "quantization_config"}
+    d["architectures"] = [type(hf).__name__]
+    c = ModelConfig.from_hf(d, gguf_path)  # an unsupported model fails here, before anything is written
+    save_pretrained(out_dir + ".tmp", c, from_hf_state(hf.state_dict(), c))
+    with open(os.path.join(out_dir + ".tmp", "config.json"), "w") as f:
+        json.dump(d, f, indent=2)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir + ".tmp")
+    os.replace(out_dir + ".tmp", out_dir)  # whole or not at all: a killed conversion is redone
+    return out_dir
