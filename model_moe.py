@@ -8,8 +8,7 @@ Llama and Qwen2 checkpoints (no q/k norm; Qwen2's q/k/v biases; Llama 3 RoPE sca
   request, each row at its own length), so the engine and the trainer run the same code.
 - MoE routing can be captured ([n_moe_layers, B, T, top_k]) and replayed: replay fixes which experts
   run, the router still gets gradient through the combine weights (arXiv:2510.11370, "routing replay").
-- Optional vision encoder (vision_layers > 0): images become features at the <|image_pad|> placeholders,
-  n_patches per image (real vision-language checkpoints are not loaded: see README).
+- Optional vision encoder (vision_layers > 0): image features replace <|image_pad|> placeholders, n_patches each.
 """
 import math
 import json
@@ -113,14 +112,13 @@ class RMSNorm(nn.Module):
 
 
 def inv_freq(c: ModelConfig, device):
-    """-> (hd/2,) rotary frequencies in fp32, as the reference computes them. Llama 3 scaling (arXiv:2407.21783):
-    wavelengths above original_max / low_freq_factor are stretched by factor, those below original_max /
-    high_freq_factor kept, and the ones between blended linearly in original_max / wavelength."""
+    """-> (hd/2,) rotary frequencies, fp32 as in the reference. Llama 3 scaling (arXiv:2407.21783) divides by
+    factor those of wavelength > original_max / low_freq_factor, keeps those < original_max / high_freq_factor."""
     f = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float() / c.head_dim))
     if s := c.rope_scaling:
         lo, hi = s["low_freq_factor"], s["high_freq_factor"]
         keep = ((s["original_max_position_embeddings"] * f / (2 * math.pi) - lo) / (hi - lo)).clamp(0, 1)
-        f = (1 - keep) * f / s["factor"] + keep * f
+        f = (1 - keep) * f / s["factor"] + keep * f  # keep: 0 .. 1, linear in original_max / wavelength between
     return f
 
 
@@ -134,9 +132,8 @@ class Attention(nn.Module):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qkv_bias = c.attention_bias or c.family == "qwen2"  # Qwen2: biases on q, k, v, none on o
-        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=qkv_bias)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(c.hidden_size, n * self.hd, bias=qkv_bias)
+                                                 for n in (self.nh, self.nkv, self.nkv))
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.attention_bias)
         norm = (lambda: RMSNorm(self.hd, c.rms_norm_eps)) if c.family == "qwen3" else nn.Identity  # per head
         self.q_norm, self.k_norm = norm(), norm()
@@ -185,7 +182,8 @@ class MoE(nn.Module):
         if replay is not None:  # the experts are given (-1: not recorded, route freely);
             replay = replay.reshape(-1, self.top_k).to(x.device, torch.long)  # the weights still come
             rec = replay[:, 0] >= 0  # from (and train) this router
-            self.flips = torch.stack([(experts.sort(-1).values != replay.sort(-1).values).any(-1)[rec].sum(), rec.sum()])
+            flipped = (experts.sort(-1).values != replay.sort(-1).values).any(-1)  # (N,)
+            self.flips = torch.stack([flipped[rec].sum(), rec.sum()])
             experts = torch.where(replay >= 0, replay, experts)
             weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
@@ -401,13 +399,12 @@ class Transformer(nn.Module):
         missing = [k for k in expected if k not in state]
         extra = [k for k in state if k not in expected and not (k == "lm_head.weight" and c.tie_word_embeddings)]
         if missing or extra:
-            raise ValueError(f"{path}: checkpoint does not match config.json: missing {missing[:5]}, unexpected {extra[:5]}")
+            raise ValueError(f"{path}: missing {missing[:5]}, unexpected {extra[:5]} (checkpoint vs config.json)")
         for k, t in expected.items():
-            if tuple(state[k].shape) != tuple(t.shape):
-                raise ValueError(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, config expects {tuple(t.shape)}")
+            if state[k].shape != t.shape:
+                raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)}, config.json expects {tuple(t.shape)}")
         own = from_hf_state({k: state[k].to(device, dtype) for k in expected}, c)
-        if c.tie_word_embeddings:
-            own["lm_head.weight"] = own["model.embed_tokens.weight"]
+        own.setdefault("lm_head.weight", own["model.embed_tokens.weight"])  # tied: not on disk
         model.load_state_dict(own, strict=True, assign=True)
         if c.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -422,13 +419,10 @@ def to_hf_state(sd, c: ModelConfig):
     """Our state dict -> Hugging Face keys (experts split per expert; tied lm_head dropped)."""
     out = {}
     for k, t in sd.items():
-        if k == "lm_head.weight" and c.tie_word_embeddings:
-            continue
         pre, _, name = k.rpartition(".")
-        if name in ("w_gate", "w_up", "w_down"):
-            proj = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}[name]
-            out.update({f"{pre}.experts.{e}.{proj}.weight": t[e] for e in range(t.shape[0])})
-        else:
+        if name in ("w_gate", "w_up", "w_down"):  # w_gate[e] is expert e's gate_proj.weight
+            out.update({f"{pre}.experts.{e}.{name[2:]}_proj.weight": t[e] for e in range(len(t))})
+        elif not (k == "lm_head.weight" and c.tie_word_embeddings):
             out[k] = t
     return out
 
@@ -443,18 +437,14 @@ def from_hf_state(hf, c: ModelConfig):
             experts.setdefault(f"{pre}.w_{proj[:-5]}", {})[int(e)] = t
         else:
             out[k] = t
-    for k, d in experts.items():
-        out[k] = torch.stack([d[e] for e in range(c.num_experts)])
-    return out
+    return out | {k: torch.stack([d[e] for e in range(c.num_experts)]) for k, d in experts.items()}
 
 
 def load_safetensors(path):
-    index = os.path.join(path, "model.safetensors.index.json")
+    index, files = os.path.join(path, "model.safetensors.index.json"), ["model.safetensors"]
     if os.path.isfile(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
     state = {}
     for name in files:
         fp = os.path.join(path, name)
@@ -465,19 +455,18 @@ def load_safetensors(path):
     return state
 
 
-def save_pretrained(path, c: ModelConfig, sd):
+def save_pretrained(path, c: ModelConfig, sd, hf_config=None):
+    """config.json (hf_config, default c.to_hf()) + model.safetensors of our state dict sd."""
     os.makedirs(path, exist_ok=True)
     hf = {k: t.detach().contiguous().cpu() for k, t in to_hf_state(sd, c).items()}
     save_file(hf, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(c.to_hf(), f, indent=2)
-
+        json.dump(hf_config or c.to_hf(), f, indent=2)
 
 
 def convert_gguf(gguf_path, out_dir=None):
-    """A GGUF file -> a plain Hugging Face directory (config.json, fp32 model.safetensors, tokenizer), dequantized by
-    transformers' own GGUF loader (needs the gguf and accelerate packages). Done once: an existing out_dir (default:
-    the file's path + ".hf") is reused. Returns out_dir."""
+    """GGUF file -> out_dir (default: its path + ".hf"; reused when there), a plain Hugging Face directory with fp32
+    weights dequantized by transformers' own GGUF loader (which needs the gguf and accelerate packages)."""
     out_dir = out_dir or gguf_path + ".hf"
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir
@@ -489,9 +478,7 @@ def convert_gguf(gguf_path, out_dir=None):
     d = {k: v for k, v in hf.config.to_dict().items() if k != "quantization_config"}
     d["architectures"] = [type(hf).__name__]
     c = ModelConfig.from_hf(d, gguf_path)  # an unsupported model fails here, before anything is written
-    save_pretrained(out_dir + ".tmp", c, from_hf_state(hf.state_dict(), c))
-    with open(os.path.join(out_dir + ".tmp", "config.json"), "w") as f:
-        json.dump(d, f, indent=2)
+    save_pretrained(out_dir + ".tmp", c, from_hf_state(hf.state_dict(), c), hf_config=d)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir + ".tmp")
     os.replace(out_dir + ".tmp", out_dir)  # whole or not at all: a killed conversion is redone
     return out_dir
