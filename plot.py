@@ -11,20 +11,20 @@ import matplotlib.pyplot as plt
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "out/guess"
 ms = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-t = [0.0]
-for m in ms[1:]:
-    t.append(t[-1] + m["time/step"])  # wall seconds since the first step
+t = [sum(m["time/step"] for m in ms[1:i + 1]) for i in range(len(ms))]  # wall seconds since the first step
 fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
 a.plot(t, [m["reward/mean"] for m in ms], lw=0.8, label="reward/mean")
 k = 10  # a moving average shows the trend through the batch-to-batch noise
-a.plot(t[k - 1:], [sum(m["reward/mean"] for m in ms[i - k + 1:i + 1]) / k for i in range(k - 1, len(ms))], label=f"mean of {k} steps")
+avg = [sum(m["reward/mean"] for m in ms[i - k + 1:i + 1]) / k for i in range(k - 1, len(ms))]
+a.plot(t[k - 1:], avg, label=f"mean of {k} steps")
 a.set(xlabel="seconds", ylabel="reward", title=f"reward ({out_dir})", ylim=(0, 1.05))
 a.legend()
 pts = [(m["step"], m["mismatch/logprob_abs_diff"]) for m in ms if m["mismatch/logprob_abs_diff"] is not None]
 b.semilogy([s for s, _ in pts], [max(v, 1e-12) for _, v in pts], ".", ms=3, label="mismatch/logprob_abs_diff")
 b.plot([m["step"] for m in ms], [m["staleness/mean"] + 1e-12 for m in ms], lw=0.8, label="staleness/mean (versions)")
 flips = [(m["step"], m["routing/flip_frac"]) for m in ms if m.get("routing/flip_frac") is not None]  # MoE only
-b.plot([s for s, _ in flips], [v + 1e-12 for _, v in flips], lw=0.8, label="routing/flip_frac (replayed experts\nthe trainer's router would not pick)")
+b.plot([s for s, _ in flips], [v + 1e-12 for _, v in flips], lw=0.8,
+       label="routing/flip_frac (replayed experts\nthe trainer's router would not pick)")
 b.set(xlabel="step", title="trainer vs engine", ylim=(1e-9, 10))
 b.legend()
 fig.tight_layout()

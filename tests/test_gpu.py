@@ -1,0 +1,142 @@
+"""The CUDA paths: the embedded engine on a GPU, the trainer's step in bf16 compute with fp32 master weights
+(FSDP2's MixedPrecisionPolicy, as train.build_model sets it), mismatch/* of a bf16 run. tests/gpu_check.sh
+runs these on a lent GPU; without CUDA they skip."""
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import agent
+import config
+import estimators as est
+import rollout
+import train
+from rollout import TorchEngine
+from test_rollout import prompts, run, tiny
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu_check.sh)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-4  # fp32 on the GPU: batched decode and a full forward take different kernels (1e-5 on CPU)
+
+
+def full_logp(model, seq):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([seq], device="cuda"))[0].float(), -1).cpu()  # (T, V)
+
+
+def test_engine_logprobs_match_a_full_forward_on_cuda():
+    m = tiny(1).cuda()
+    e = TorchEngine(m, slots=8, max_len=64, temperature=1.0, max_new_tokens=12, seed=3)
+    for p, c in zip(prompts(6, 1), run(e, prompts(6, 1))):
+        logp = full_logp(m, p + c.ids)
+        assert len(c.ids) == 12 and c.routing is not None
+        assert max(abs(logp[len(p) - 1 + j, t].item() - lp) for j, (t, lp) in enumerate(zip(c.ids, c.logprobs))) < TOL
+
+
+def test_weight_swap_mid_generation_on_cuda():
+    old, new = tiny(5).cuda(), tiny(6).cuda()
+    e = TorchEngine(tiny(5).cuda(), slots=4, max_len=64, temperature=1.0, max_new_tokens=12, seed=1)
+    ps = prompts(3, 5)
+
+    async def main():
+        async def swap_after(n):
+            for _ in range(n):
+                await asyncio.sleep(0)
+                e.step()
+            e.set_weights(new.state_dict(), 1)
+            await e.run()
+        loop_task = asyncio.create_task(swap_after(4))
+        outs = await asyncio.gather(*(e.generate(p) for p in ps))
+        loop_task.cancel()
+        return outs
+    for p, c in zip(ps, asyncio.run(main())):
+        k = c.versions.index(1)
+        assert 0 < k < len(c.ids) and c.versions == [0] * k + [1] * (len(c.ids) - k)
+        for model, lo, hi in ((old, 0, k), (new, k, len(c.ids))):
+            logp = full_logp(model, p + c.ids)
+            assert all(abs(logp[len(p) - 1 + j, c.ids[j]].item() - c.logprobs[j]) < TOL for j in range(lo, hi))
+
+
+def test_continuous_batching_matches_one_at_a_time_on_cuda():
+    m, ps = tiny(4).cuda(), prompts(9, 4)
+    alone = [run(TorchEngine(m, slots=1, max_len=64, temperature=0, max_new_tokens=7), [p])[0].ids for p in ps]
+    e = TorchEngine(m, slots=3, max_len=64, temperature=0, max_new_tokens=7)  # 3 slots, 9 staggered requests
+    assert [c.ids for c in run(e, ps, delays=[0, 0, 1, 2, 3, 5, 8, 13, 21])] == alone
+
+
+def guess_batch(cfg, model, tok_dir):
+    """One step's guess episodes, sampled on the GPU by the embedded engine (fp32, as the rollout runs it)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    engine = TorchEngine(model, slots=cfg.engine_slots, max_len=cfg.engine_max_len, max_new_tokens=cfg.max_new_tokens,
+                         stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], seed=cfg.seed)
+    run_agent = agent.load_agent(cfg.task)
+
+    async def one(i):
+        llm = rollout.Policy(engine, tok)
+        ep = await run_agent(agent.make_task(cfg.task, i, seed=cfg.seed, group_size=cfg.group_size,
+                                             guess_max=cfg.guess_max, max_turns=cfg.max_turns), llm)
+        return rollout.episode_to_msg(ep, i, rollout.check_tokens(ep, llm.calls))
+
+    async def main():
+        loop = asyncio.create_task(engine.run())
+        msgs = await asyncio.gather(*(one(i) for i in range(cfg.batch_size)))
+        loop.cancel()
+        return msgs
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def one_rank_nccl():
+    import torch.distributed as dist
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_train_step_in_bf16_with_fp32_master_weights(tmp_path, one_rank_nccl):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    cfg = config.load(["--config", os.path.join(ROOT, "configs", "guess.py"), f"--out_dir={tmp_path}",
+                       "--prompts_per_step=4"])
+    model, tok_dir = train.build_model(cfg, 0, 1, torch.device("cuda"))
+    msgs = guess_batch(cfg, model, tok_dir)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # train.build_model's policy
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
+    rewards = torch.tensor([m["reward"] for m in msgs])
+    adv = est.ADVANTAGES[cfg.advantage](rewards=rewards, group_ids=torch.tensor([m["group"] for m in msgs]))
+    adv = adv if adv.abs().sum() else torch.randn(len(msgs))  # equal rewards: still a gradient to check
+    share = {"micro_batches": train.split_batch(msgs, adv.tolist(), 1, cfg.micro_batch_tokens)[0],
+             "num_tokens": float(sum(len(m["engine_ids"]) for m in msgs)), "num_seqs": float(len(msgs))}
+    sums, stale_max, _, grad_norm = train.train_step(model, opt, share, cfg, 0, 1)
+    state = train.full_state(model, 1)
+    assert all(v.dtype == torch.float32 for v in state.values())  # the master weights stay fp32
+    assert math.isfinite(grad_norm) and grad_norm > 0 and stale_max == 0
+    assert any(not torch.equal(state[k].cpu(), before[k].cpu()) for k in before)  # the optimizer stepped
+    mm = sums["mm_abs"] / sums["mm_tokens"]  # bf16 trainer vs the fp32 engine on the same weights
+    assert sums["mm_tokens"] == sums["tokens"] > 0 and 1e-6 < mm < 0.05, mm  # > 0: the forward really ran in bf16
+
+
+def test_a_bf16_run_logs_mismatch(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           f"--out_dir={tmp_path}", "--dtype=bfloat16", "--max_steps=4", "--max_staleness=0", "--ckpt_every=0"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert len(ms) == 4 and all(m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] for m in ms)
+    for m in ms:  # bf16 trainer against the engine's fp32 copy: small, but not the fp32 run's ~1e-7
+        assert 0 < m["mismatch/logprob_abs_diff"] < 0.1 and math.isfinite(m["mismatch/kl"])
