@@ -1,0 +1,156 @@
+"""The OpenAI-compatible endpoint, driven by the official openai client: exact tokens, segments, tools, errors."""
+import asyncio
+import importlib.util
+import json
+import os
+
+import openai
+import pytest
+import torch
+
+import agent
+import config
+import endpoint
+from model_moe import ModelConfig, Transformer
+from rollout import Completion, Policy, TorchEngine, check_tokens
+from test_rollout import collect, drive, engine_for
+
+SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+    path = tmp_path_factory.mktemp("tok")
+    agent.make_tokenizer(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def dense_engine(tok, seed=0, **kw):
+    c = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return TorchEngine(Transformer(c).init_weights(seed, std=0.3), **dict(dict(
+        slots=64, max_len=256, max_new_tokens=8, stop_ids=[tok.eos_token_id], seed=seed, **SAMPLING), **kw))
+
+
+class ScriptEngine:
+    """Samples given texts (tokenized), logprob -1 each: for tests of what the endpoint does with a given
+    completion (tool calls, stops), which a random model would not write."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.max_new = tok, list(texts), []
+
+    async def generate(self, ids, max_new_tokens=None):
+        self.max_new.append(max_new_tokens)
+        out = self.tok.encode(self.texts.pop(0), add_special_tokens=False)
+        return Completion(out, [-1.0] * len(out), [0] * len(out), None)
+
+
+def chat_episode(engine, tok, agent_fn):
+    """Serve one episode on engine, run agent_fn(client, llm) -> result; -> (llm, result)."""
+    async def main():
+        server = await endpoint.serve(tok, SAMPLING)
+        llm = Policy(engine, tok)
+        endpoint.attach(server, llm)
+        async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+            result = await agent_fn(client, llm)
+        await server["runner"].cleanup()
+        return llm, result
+    if isinstance(engine, ScriptEngine):
+        return asyncio.run(main())
+    return drive(engine, main)
+
+
+async def three_turns(client, llm, edit=False):
+    msgs, replies = [{"role": "user", "content": "Guess my number from 1 to 7."}], []
+    for turn in range(3):
+        r = await client.chat.completions.create(model=llm.model, messages=msgs)
+        replies.append(r)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "4 is too low"}]
+        if edit and turn == 0:
+            msgs[0]["content"] = "Guess my number from 1 to 9."  # the agent rewrites its history
+    return msgs, replies
+
+
+def test_multi_turn_chat_is_one_exact_segment(tok):
+    llm, (msgs, replies) = chat_episode(dense_engine(tok), tok, three_turns)
+    [(ep, calls)] = endpoint.segments(llm, 1.0)
+    engine_ids = check_tokens(ep, calls)  # every call's prompt is a prefix, its sampled ids follow with mask 1
+    assert len(calls) == 3 and ep.reward == 1.0 and ep.info["segments"] == 1
+    assert torch.equal(torch.tensor(ep.ids)[torch.tensor(ep.loss_mask).bool()], engine_ids)
+    # the prompt (user turns, template tokens) has mask 0 and is the template's rendering of the messages
+    first = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ep.ids[:len(first)] == first and not any(ep.loss_mask[:len(first)])
+    assert tok.apply_chat_template(msgs[:-1], tokenize=False).startswith(tok.decode(ep.ids))
+    for r, (_, c, _) in zip(replies, calls):
+        assert r.choices[0].message.content == tok.decode(c.ids, skip_special_tokens=True)
+        assert r.usage.completion_tokens == len(c.ids)
+        assert r.choices[0].finish_reason == ("stop" if c.ids[-1] == tok.eos_token_id else "length")
+
+
+def test_an_edited_history_starts_a_new_segment(tok):
+    llm, _ = chat_episode(dense_engine(tok, 1), tok, lambda c, llm: three_turns(c, llm, edit=True))
+    segs = endpoint.segments(llm, {"reward": 0.5, "info": {"x": 2.0}})
+    assert [len(calls) for _, calls in segs] == [1, 2]
+    for ep, calls in segs:
+        check_tokens(ep, calls)
+        assert ep.reward == 0.5 and ep.info["segments"] == 2 and ep.info["x"] == 2.0
+    assert "9" in tok.decode(segs[1][0].ids[:20]) and "7" in tok.decode(segs[0][0].ids[:20])
+
+
+def test_refused_parameters_and_bad_requests_are_openai_errors(tok):
+    async def bad(client, llm):
+        ok = [{"role": "user", "content": "hi"}]
+        errors = {}
+        for name, kw in [("temperature", dict(temperature=0.5)), ("top_p", dict(top_p=0.9)),
+                         ("top_k", dict(extra_body={"top_k": 5})), ("messages", dict(messages=[{"content": "x"}])),
+                         ("long", dict(messages=[{"role": "user", "content": "7" * 300}])), ("n", dict(n=2))]:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(**dict(dict(model=llm.model, messages=ok), **kw))
+            errors[name] = e.value.body
+        assert (await client.chat.completions.create(model=llm.model, messages=ok, temperature=1.0)).choices
+        other = openai.AsyncOpenAI(base_url=llm.base_url.replace("/ep/0/", "/ep/99/"), api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            await other.chat.completions.create(model=llm.model, messages=ok)
+        return errors
+    llm, errors = chat_episode(dense_engine(tok), tok, bad)
+    for k in ("temperature", "top_p", "top_k", "messages", "n"):
+        assert errors[k]["param"] == k, errors[k]
+    assert errors["long"]["code"] == "context_length_exceeded"
+    [(ep, calls)] = endpoint.segments(llm, 0.0)  # the refused calls left no trace in the record
+    assert len(calls) == 1 and check_tokens(ep, calls) is not None
+
+
+CHAT_AGENT = """
+import openai
+
+async def run(task, llm):
+    async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+        msgs = [{"role": "user", "content": f"{task['a']}+{task['b']}="}]
+        for _ in range(2):
+            r = await client.chat.completions.create(model=llm.model, messages=msgs)
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    return float(str(task["a"] + task["b"]) in r.choices[0].message.content)
+"""
+
+
+def test_64_concurrent_chat_episodes_through_the_rollout(tok, tmp_path):
+    """A chat agent file run by produce(): 64 episodes at once; each trained id is a sampled id, each sampled id
+    is trained once, and the engine's logprobs are what the trainer recomputes (float32, dense: < 1e-5)."""
+    (tmp_path / "chat.py").write_text(CHAT_AGENT)
+    cfg = config.load([f"--task={tmp_path / 'chat.py'}", "--group_size=4", "--prompts_per_step=16",
+                       "--max_staleness=0", "--concurrent_agents=64"])
+    engine = dense_engine(tok)
+    msgs = collect(cfg, engine, tok, 64)
+    assert len(msgs) == 64 and len({m["index"] for m in msgs}) == 64
+    assert all(m["group"] == m["index"] // 4 and m["info"]["segments"] == 1 for m in msgs)
+    sampled = 0
+    for m in msgs:
+        ids, mask = m["tokens"][0], m["tokens"][1].bool()
+        assert torch.equal(ids[mask], m["engine_ids"])
+        sampled += len(m["engine_ids"])
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(ids[None])[0].float(), -1)  # (T, V)
+        train = logp[:-1].gather(-1, ids[1:, None])[:, 0][mask[1:]]
+        assert (train - m["logprobs"][mask]).abs().max() < 1e-5
+    assert sampled == max(m["stats"]["tokens_generated"] for m in msgs)  # nothing sampled is left untrained
