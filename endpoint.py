@@ -181,7 +181,7 @@ async def _completions(server, llm, body):
 
 async def _generate(server, llm, body, seg, new):
     """Sample after seg's ids + new (seg None: a new segment); the record changes only once the engine answered.
-    -> (segment, Completion, sampled text cut at a stop string, finish_reason)"""
+    -> (segment, Completion, sampled text (cut before a stop string), finish_reason)"""
     max_new = body.get("max_completion_tokens") or body.get("max_tokens")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
@@ -189,16 +189,19 @@ async def _generate(server, llm, body, seg, new):
         raise RequestError(f"max_tokens={max_new!r} must be a positive integer", param="max_tokens")
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise RequestError("stop must be a string or a list of non-empty strings", param="stop")
-    c = await llm.generate((seg["ep"].ids if seg else []) + new, max_new)
+    prompt = (seg["ep"].ids if seg else []) + new
+    c, decode = await llm.generate(prompt, max_new), functools.partial(server["tok"].decode, skip_special_tokens=False)
+    text = decode(c.ids)
+    cut = min((text.index(s) for s in stop if s in text), default=None)
+    if cut is not None:  # a stop string ends the turn: the tokens after the one that completes it were never shown
+        k = next(k for k in range(1, len(c.ids) + 1) if any(s in decode(c.ids[:k]) for s in stop))
+        c.ids[k:], c.logprobs[k:], c.versions[k:] = [], [], []  # in place: llm.calls holds this record
+        c.routing = None if c.routing is None else c.routing[:len(prompt) + k]
     if seg is None:
         seg = {"ep": agent_mod.Episode(), "calls": [], "text": ""}
         llm.segs.append(seg)
     seg["ep"].append(new)
     seg["ep"].append_completion(c)
     seg["calls"].append(llm.calls[-1])
-    text = server["tok"].decode(c.ids, skip_special_tokens=False)
-    # A stop string ends the turn: the text after it is not returned; the tokens stay in the episode (they
-    # were sampled), and the next turn's rendering continues from the returned text.
-    cut = min((text.index(s) for s in stop if s in text), default=None)
     eos = bool(c.ids) and c.ids[-1] == server["tok"].eos_token_id
     return seg, c, text[:cut], "stop" if eos or cut is not None else "length"

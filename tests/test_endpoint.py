@@ -154,3 +154,66 @@ def test_64_concurrent_chat_episodes_through_the_rollout(tok, tmp_path):
         train = logp[:-1].gather(-1, ids[1:, None])[:, 0][mask[1:]]
         assert (train - m["logprobs"][mask]).abs().max() < 1e-5
     assert sampled == max(m["stats"]["tokens_generated"] for m in msgs)  # nothing sampled is left untrained
+
+
+PY_TOOL = {"type": "function", "function": {"name": "python", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}}}}
+
+
+def test_tool_calls_round_trip_in_one_segment_and_malformed_ones_are_content(tok):
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(3*4+5)"}}\n</tool_call><|im_end|>'
+    engine = ScriptEngine(tok, ["let me see\n" + call, "<tool_call>\n{oops</tool_call><|im_end|>", "17<|im_end|>"])
+
+    async def tools(client, llm):
+        msgs, out = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3*4+5?"}], []
+        for _ in range(3):
+            r = await client.chat.completions.create(model=llm.model, messages=msgs, tools=[PY_TOOL], max_tokens=32)
+            out.append(r.choices[0])
+            msgs.append(r.choices[0].message.model_dump(exclude_none=True))
+            for c in r.choices[0].message.tool_calls or []:
+                msgs.append({"role": "tool", "tool_call_id": c.id, "content": "17"})
+            if not r.choices[0].message.tool_calls:
+                msgs.append({"role": "user", "content": "answer"})
+        return out
+    llm, out = chat_episode(engine, tok, tools)
+    assert out[0].finish_reason == "tool_calls" and out[0].message.content == "let me see"
+    [c] = out[0].message.tool_calls
+    assert c.function.name == "python" and json.loads(c.function.arguments) == {"code": "print(3*4+5)"}
+    assert out[1].finish_reason == "stop" and out[1].message.content == "<tool_call>\n{oops</tool_call>"
+    assert out[2].message.content == "17" and engine.max_new == [32] * 3
+    [(ep, calls)] = endpoint.segments(llm, 1.0)  # the re-rendered tool call extended the segment: one segment
+    check_tokens(ep, calls)
+    assert ep.info["tool_calls"] == 1 and ep.info["malformed_tool_calls"] == 1
+    assert "<tool_response>\n17\n</tool_response>" in tok.decode(ep.ids)
+
+
+def test_stop_strings_cut_the_text_not_the_record(tok):
+    engine = ScriptEngine(tok, ["I guess 4. Then 5<|im_end|>", "ok<|im_end|>"])
+
+    async def stops(client, llm):
+        msgs = [{"role": "user", "content": "Guess my number from 1 to 7."}]
+        r = await client.chat.completions.create(model=llm.model, messages=msgs, stop=[". "])
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "4 is too low"}]
+        return r, await client.chat.completions.create(model=llm.model, messages=msgs)
+    llm, (r, _) = chat_episode(engine, tok, stops)
+    assert r.choices[0].message.content == "I guess 4" and r.choices[0].finish_reason == "stop"
+    [(ep, calls)] = endpoint.segments(llm, 1.0)  # the next turn continued from the text the agent saw
+    check_tokens(ep, calls)
+    text = tok.decode(ep.ids)  # sampled up to the stop string, then the next turn as the template renders it
+    assert "I guess 4. <|im_end|>\n<|im_start|>user\n4 is too low" in text and "Then" not in text
+
+
+def test_completions_with_token_ids_extend_the_segment(tok):
+    prompt = agent.prompt_ids(tok, "2+2=")
+
+    async def completions(client, llm):
+        a = await client.completions.create(model=llm.model, prompt=prompt, max_tokens=4)
+        ids = endpoint_ids(llm)
+        return a, await client.completions.create(model=llm.model, prompt=ids + agent.turn_suffix(tok, "more"))
+
+    def endpoint_ids(llm):
+        return list(llm.segs[-1]["ep"].ids)
+    llm, (a, b) = chat_episode(dense_engine(tok), tok, completions)
+    [(ep, calls)] = endpoint.segments(llm, 0.0)
+    check_tokens(ep, calls)
+    assert len(calls) == 2 and ep.ids[:len(prompt)] == prompt and a.usage.prompt_tokens == len(prompt)
