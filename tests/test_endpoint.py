@@ -217,3 +217,19 @@ def test_completions_with_token_ids_extend_the_segment(tok):
     [(ep, calls)] = endpoint.segments(llm, 0.0)
     check_tokens(ep, calls)
     assert len(calls) == 2 and ep.ids[:len(prompt)] == prompt and a.usage.prompt_tokens == len(prompt)
+
+
+# ---- the calc task: a chat agent with a python tool in the sandbox ----
+CALC = {"group": 0, "a": 3, "b": 4, "c": 5, "max_turns": 3, "tool_timeout": 1.0, "tool_memory_mb": 256}
+
+
+@pytest.mark.parametrize("code,answer,reward,errors", [("print(3*4+5)", "17", 1.0, 0), ("print(3*4+5)", "18", 0.0, 0),
+                                                       ("__import__('time').sleep(100)", "17", 1.0, 1)])
+def test_calc_runs_its_tool_in_the_sandbox(tok, code, answer, reward, errors):
+    engine = ScriptEngine(tok, [agent._call(code) + "<|im_end|>", answer + "<|im_end|>"])
+    llm, result = chat_episode(engine, tok, lambda client, llm: agent.calc(CALC, llm))
+    assert result == {"reward": reward, "info": {"turns": 2, "tool_calls": 1, "tool_errors": errors}}
+    [(ep, calls)] = endpoint.segments(llm, result)
+    check_tokens(ep, calls)
+    text = tok.decode(ep.ids)
+    assert ("<tool_response>\n17\n</tool_response>" if not errors else "error: timed out") in text
