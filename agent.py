@@ -309,7 +309,8 @@ async def calc(task: dict, llm) -> dict:
     import openai  # here: only chat agents need it
     msgs = [{"role": "user", "content": CALC_PROMPT.format(task["a"], task["b"], task["c"])}]
     calls = errors = 0
-    async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+    # no client timeout (its connect timeout is 5 s): episode_timeout bounds the episode
+    async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=None) as client:
         for turn in range(1, task["max_turns"] + 1):
             m = (await client.chat.completions.create(model=llm.model, messages=msgs, tools=[PYTHON_TOOL])).choices[0]
             msgs.append(m.message.model_dump(exclude_none=True))

@@ -1,13 +1,9 @@
 """
-endpoint.py: an OpenAI-compatible endpoint in front of the engine, so an agent can be any program that speaks
-the chat API (the `openai` client, an agent framework, a process in another language). One aiohttp server per
-rollout process, in its event loop; each episode has its own base URL, http://127.0.0.1:PORT/ep/<id>/v1.
-
-Exact tokens behind the chat. A request's messages are rendered with the checkpoint's chat template. When the
-rendered text starts with the text of a segment so far (its prompts as rendered, its completions as sampled),
-the segment's token ids are reused as they are and only the rest of the text is tokenized: sampled text is
-never re-tokenized. Otherwise (the template re-renders an earlier turn differently, as Qwen3 drops earlier
-<think> blocks; the agent edited its history) a new segment starts. Each segment becomes one trained episode.
+endpoint.py: an OpenAI-compatible endpoint, so an agent can be any program that speaks the chat API. One aiohttp
+server per rollout process, in its loop; each episode's base URL is http://127.0.0.1:PORT/ep/<id>/v1. A request's
+messages are rendered with the chat template; when the text starts with a segment's text so far (prompts as
+rendered, completions as sampled), the segment's ids are kept and only the rest is tokenized. Else (Qwen3 drops
+earlier <think> blocks, the agent edits its history) a new segment starts. Each segment is one trained episode.
 """
 import asyncio
 import functools
@@ -108,9 +104,9 @@ def _error(message, status, param=None, code=None):
 async def _chat(server, llm, body):
     tok, msgs, tools = server["tok"], body.get("messages"), body.get("tools")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                         for m in msgs):
-        raise RequestError("messages must be a non-empty list of objects with a role", param="messages")
-    msgs = [dict(m, content=_text(m.get("content"), i)) for i, m in enumerate(msgs)]
+                                                         and isinstance(m.get("content") or "", str) for m in msgs):
+        raise RequestError("messages must be a non-empty list of objects with a role and text content", "messages")
+    msgs = [dict(m, content=m.get("content") or "") for m in msgs]  # templates want a string, also with tool calls
     try:
         text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template's error (jinja's, a bad tool's) is the request's, not the rollout's
@@ -132,15 +128,6 @@ async def _chat(server, llm, body):
     return {"object": "chat.completion", "choices": [{"index": 0, "message": msg, "finish_reason": finish,
                                                       "logprobs": None}],
             "usage": {"prompt_tokens": n, "completion_tokens": len(c.ids), "total_tokens": n + len(c.ids)}}
-
-
-def _text(content, i):
-    """Message content as the template takes it: a string ("" for none), or text parts joined."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise RequestError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
 def _tool_calls(text):
