@@ -27,7 +27,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"
 CHAT_TEMPLATE = (
     "{% set sys = messages[0]['role'] == 'system' %}{% if tools %}<|im_start|>system\n"
     "{% if sys %}{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n<tools>"
-    "{% for t in tools %}{{ '\\n' ~ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\nCall one as <tool_call>\n{\"name\": <name>, \"arguments\": <args-json-object>}\n"
+    "{% for t in tools %}{{ '\\n' ~ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\nCall one as <tool_call>\n"
+    "{\"name\": <name>, \"arguments\": <args-json-object>}\n"
     "</tool_call><|im_end|>\n{% elif sys %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}{% if m['role'] == 'tool' %}{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool'"
     " %}<|im_start|>user{% endif %}{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>{% if loop.last or "
@@ -56,8 +57,9 @@ def _corpus(rng: random.Random):
     """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else."""
     for _ in range(2000):
         a, b, c, n = (rng.randint(1, 9) for _ in range(4))
-        yield from ["user\nassistant\ntool\nsystem\n", GUESS_PROMPT.format(n), *(f.format(a) for f in GUESS_FEEDBACK), f"I guess {a}.",
-                    CALC_PROMPT.format(a, b, c), _call(f"print({a}*{b}+{c})"), TOOLS_TEXT.format(json.dumps(PYTHON_TOOL)),  f"The answer is {a * b + c}.", f"{a}+{b}=",
+        yield from ["user\nassistant\ntool\nsystem\n", GUESS_PROMPT.format(n), *(f.format(a) for f in GUESS_FEEDBACK),
+                    f"I guess {a}.", CALC_PROMPT.format(a, b, c), _call(f"print({a}*{b}+{c})"),
+                    TOOLS_TEXT.format(json.dumps(PYTHON_TOOL)), f"The answer is {a * b + c}.", f"{a}+{b}=",
                     "error: exit code 1\nTraceback (most recent call last):\n  File \"main.py\"", "error: timed out",
                     "NameError: name 'x' is not defined", "SyntaxError: invalid syntax", "ZeroDivisionError"]
 
@@ -299,8 +301,8 @@ async def guess(task: dict, llm) -> Episode:
 
 
 PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description": "Run Python code, see its output",
-                                                "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
-                                                               "required": ["code"]}}}
+                                                "parameters": {"type": "object", "required": ["code"],
+                                                               "properties": {"code": {"type": "string"}}}}}
 
 
 async def calc(task: dict, llm) -> dict:

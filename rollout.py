@@ -448,7 +448,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             group = groups.setdefault(i // G, [])
             group.append(msg)
             if len(group) == G:  # the group has ended: send what is left of it, or let another group start
-                kept = sorted((m for ms in groups.pop(i // G) if ms for m in ms), key=lambda m: m["index"])  # [endpoint]
+                kept = sorted((m for ms in groups.pop(i // G) if ms for m in ms),  # [endpoint] lists of messages
+                              key=lambda m: m["index"])
                 if kept:
                     pending.append(pack(kept))
                 else:
