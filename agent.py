@@ -22,26 +22,49 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # ---- tokenizer: a tiny byte-level BPE for models trained from scratch ----
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"]
-# ChatML as in Qwen's template, minus tools and thinking: the conversations here are plain turns.
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# ChatML as in Qwen3's template, minus thinking: a system turn, tools, tool calls and tool results in its
+# <tool_call> / <tool_response> format (what endpoint.py parses). Plain turns render as before.
+CHAT_TEMPLATE = (
+    "{% set sys = messages[0]['role'] == 'system' %}{% if tools %}<|im_start|>system\n"
+    "{% if sys %}{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n<tools>"
+    "{% for t in tools %}{{ '\\n' ~ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\nCall one as <tool_call>\n"
+    "{\"name\": <name>, \"arguments\": <args-json-object>}\n"
+    "</tool_call><|im_end|>\n{% elif sys %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool'"
+    " %}<|im_start|>user{% endif %}{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>{% if loop.last or "
+    "messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}{% elif not (loop.first and sys) %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
+    "{{ '\\n' if m['content'] or not loop.first }}{% set f = c['function'] %}<tool_call>\n{\"name\": \""
+    "{{ f['name'] }}\", \"arguments\": {{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}"
+    "}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Feedback repeats the guess ("4 is too low"): the last message then holds all a simple strategy needs,
 # which is what lets a tiny model learn the game from scratch in minutes.
 GUESS_PROMPT, GUESS_FEEDBACK = "Guess my number from 1 to {}.", ["{} is too low", "{} is too high", "correct", "say a number"]
-CALC_PROMPT = "What is {}*{}+{}? You may write `calc: <python expression>`."
+CALC_PROMPT = "What is {}*{}+{}? You may run Python."
+
+
+# the tiny template's tools header with the calc task's tool, so BPE merges it into few tokens
+TOOLS_TEXT = ("# Tools\n<tools>\n{}\n</tools>\nCall one as <tool_call>\n{{\"name\": <name>, \"arguments\": "
+              "<args-json-object>}}\n</tool_call>")
+
+
+def _call(code):  # a tool call as the chat template writes it
+    return '<tool_call>\n{"name": "python", "arguments": ' + json.dumps({"code": code}) + '}\n</tool_call>'
 
 
 def _corpus(rng: random.Random):
     """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else."""
     for _ in range(2000):
         a, b, c, n = (rng.randint(1, 9) for _ in range(4))
-        yield from ["user\nassistant\ntool\nsystem\n", GUESS_PROMPT.format(n), *(f.format(a) for f in GUESS_FEEDBACK), f"I guess {a}.",
-                    CALC_PROMPT.format(a, b, c), f"calc: {a}*{b}+{c}", f"The answer is {a * b + c}.", f"{a}+{b}=",
+        yield from ["user\nassistant\ntool\nsystem\n", GUESS_PROMPT.format(n), *(f.format(a) for f in GUESS_FEEDBACK),
+                    f"I guess {a}.", CALC_PROMPT.format(a, b, c), _call(f"print({a}*{b}+{c})"),
+                    TOOLS_TEXT.format(json.dumps(PYTHON_TOOL)), f"The answer is {a * b + c}.", f"{a}+{b}=",
                     "error: exit code 1\nTraceback (most recent call last):\n  File \"main.py\"", "error: timed out",
                     "NameError: name 'x' is not defined", "SyntaxError: invalid syntax", "ZeroDivisionError"]
 
 
-def make_tokenizer(path: str, vocab_size: int = 384) -> None:
+def make_tokenizer(path: str, vocab_size: int = 512) -> None:
     """Train and save (tokenizer.json + tokenizer_config.json) a tokenizer that AutoTokenizer loads. No download."""
     tok = Tokenizer(models.BPE())
     # Every digit is its own token, so a tiny model reads and writes numbers digit by digit.
@@ -291,25 +314,33 @@ async def guess(task: dict, llm) -> Episode:
     return ep
 
 
-async def calc(task: dict, llm) -> Episode:
-    """Compute a*b+c, maybe with a Python tool (`calc: <expression>`); the last integer in the last turn answers."""
-    ep, tok = Episode(group=task["group"]), llm.tokenizer
-    ep.append(prompt_ids(tok, CALC_PROMPT.format(task["a"], task["b"], task["c"])))
+PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description": "Run Python code, see its output",
+                                                "parameters": {"type": "object", "required": ["code"],
+                                                               "properties": {"code": {"type": "string"}}}}}
+
+
+async def calc(task: dict, llm) -> dict:
+    """Compute a*b+c: a chat agent (the openai client on the endpoint) with a `python` tool run in the sandbox;
+    the last integer of its last reply answers."""
+    import openai  # here: only chat agents need it
+    msgs = [{"role": "user", "content": CALC_PROMPT.format(task["a"], task["b"], task["c"])}]
     calls = errors = 0
-    for turn in range(1, task["max_turns"] + 1):
-        text = await model_turn(llm, ep)
-        call = re.search(r"calc:([^\n]*)", text)
-        if call is None or turn == task["max_turns"]:
-            break  # an answer, or a call whose result no turn is left to read
-        expr = call.group(1).strip().strip("`")
-        ok, out = await run_tool(f"print({expr})", timeout_s=task["tool_timeout"], memory_mb=task["tool_memory_mb"],
-                                 max_output=task.get("tool_max_output", 1024))
-        calls, errors = calls + 1, errors + (not ok)
-        ep.append(turn_suffix(tok, out.strip() or "(no output)", role="tool"))
-    answer = _ints(text)
-    ep.reward = float(bool(answer) and answer[-1] == task["a"] * task["b"] + task["c"])
-    ep.info = {"turns": turn, "tool_calls": calls, "tool_errors": errors}
-    return ep
+    # no client timeout (its connect timeout is 5 s): episode_timeout bounds the episode
+    async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=None) as client:
+        for turn in range(1, task["max_turns"] + 1):
+            m = (await client.chat.completions.create(model=llm.model, messages=msgs, tools=[PYTHON_TOOL])).choices[0]
+            msgs.append(m.message.model_dump(exclude_none=True))
+            if not m.message.tool_calls or turn == task["max_turns"]:
+                break  # an answer, or a call whose result no turn is left to read
+            for c in m.message.tool_calls:  # the endpoint parsed them: arguments is a JSON object
+                ok, out = await run_tool(str(json.loads(c.function.arguments).get("code", "")),
+                                         timeout_s=task["tool_timeout"], memory_mb=task["tool_memory_mb"],
+                                         max_output=task.get("tool_max_output", 1024))
+                calls, errors = calls + 1, errors + (not ok)
+                msgs.append({"role": "tool", "tool_call_id": c.id, "content": out.strip() or "(no output)"})
+    answer = _ints(m.message.content or "")
+    return {"reward": float(bool(answer) and answer[-1] == task["a"] * task["b"] + task["c"]),
+            "info": {"turns": turn, "tool_calls": calls, "tool_errors": errors}}
 
 
 async def arith(task: dict, llm) -> Episode:

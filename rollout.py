@@ -39,6 +39,7 @@ import torch
 import torch.multiprocessing as mp
 
 import agent as agent_mod
+import endpoint
 from model_moe import KVCache, ModelConfig, Transformer, save_pretrained
 
 
@@ -455,8 +456,11 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                  tool_timeout=cfg.tool_timeout, tool_memory_mb=cfg.tool_memory_mb, image_size=cfg.image_size,
                  patch_size=cfg.patch_size, task_file=cfg.task_file)
 
+    server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
+
     async def one(task, index):
         llm = Policy(engine, tokenizer)
+        endpoint.attach(server, llm)  # llm.base_url, llm.api_key, llm.model for chat agents
         agent_task = asyncio.ensure_future(run(task, llm))
         if not (await asyncio.wait([agent_task], timeout=cfg.episode_timeout))[0]:
             # not wait_for: it waits for the cancelled agent to finish, forever if the agent swallows the
@@ -466,16 +470,20 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             agent_task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nothing to report later
             raise asyncio.TimeoutError(f"agent still running after episode_timeout={cfg.episode_timeout} s")
         if isinstance(agent_task.exception(), ContextFull) and llm.calls:
-            ep = truncated_episode(llm.calls)
+            result = truncated_episode(llm.calls)
         else:
-            ep = agent_task.result()
-        try:
-            record = check_tokens(ep, llm.calls)
-            check_images(ep.ids, ep.images, getattr(engine, "c", None))  # e.g. a placeholder the policy sampled
-            ep.validate(vocab_size)
+            result = agent_task.result()
+        msgs = []
+        try:  # a chat agent returned its reward: its episodes (one per segment) come from the endpoint's record
+            pairs = [(result, llm.calls)] if isinstance(result, agent_mod.Episode) else endpoint.segments(llm, result)
+            for ep, calls in pairs:
+                record = check_tokens(ep, calls)
+                check_images(ep.ids, ep.images, getattr(engine, "c", None))  # e.g. a placeholder the policy sampled
+                ep.validate(vocab_size)
+                msgs.append(episode_to_msg(ep, index, index // G, record))
         except ValueError as e:  # nothing malformed reaches the trainer
             raise Malformed(str(e)) from e
-        return episode_to_msg(ep, index, index // G, record)
+        return msgs  # one per segment
 
     while True:
         published = engine.shared_version.value if engine.shared_version is not None else engine.version
@@ -495,8 +503,9 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             if isinstance(err, ServerError):  # not the agent's fault, and every later call would fail too
                 raise err
             if err is None:
-                msg = t.result()
-                msg["stats"] = dict(counts, tokens_generated=engine.tokens_generated, engine_busy_s=engine.busy_s)
+                msg = t.result()  # a list of messages
+                for m in msg:
+                    m["stats"] = dict(counts, tokens_generated=engine.tokens_generated, engine_busy_s=engine.busy_s)
             else:
                 msg, key = None, "agent_timeouts" if isinstance(err, asyncio.TimeoutError) else \
                     "malformed" if isinstance(err, Malformed) else "agent_errors"
@@ -505,7 +514,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             group = groups.setdefault(i // G, [])
             group.append(msg)
             if len(group) == G:  # the group has ended: send what is left of it, or let another group start
-                kept = sorted((m for m in groups.pop(i // G) if m is not None), key=lambda m: m["index"])
+                kept = sorted((m for ms in groups.pop(i // G) if ms for m in ms),  # lists of messages
+                              key=lambda m: m["index"])
                 if kept:
                     pending.append(pack(kept))
                     in_a_row = 0

@@ -50,7 +50,7 @@ def run(fn, task, llm):
 
 # ---- tokenizer ----
 def test_tokenizer_loads_and_renders_chatml(tok):
-    assert 300 <= len(tok) <= 400
+    assert 300 <= len(tok) <= 512
     msgs = [{"role": "user", "content": "Guess my number from 1 to 7."}, {"role": "assistant", "content": "5"}]
     s = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert s == ("<|im_start|>user\nGuess my number from 1 to 7.<|im_end|>\n"
@@ -159,32 +159,6 @@ def test_routing_keeps_old_rows_where_new_is_unknown():
     assert ep.routing[:, 0, 0].tolist() == [7, 7, 9, 9, 9]
     with pytest.raises(ValueError, match="routing"):
         ep.append_completion(SimpleNamespace(ids=[6], logprobs=[-1.0], versions=[1], routing=torch.zeros(3, 1, 2)))
-
-
-# ---- calc ----
-def calc_task(**kw):
-    return {"group": 0, "a": 3, "b": 4, "c": 5, "max_turns": 3, "tool_timeout": 5.0, "tool_memory_mb": 256, **kw}
-
-
-def test_calc_runs_tool_and_appends_observation(tok):
-    llm = ScriptLLM(tok, ["calc: 3*4+5", "so 17"])
-    ep = run(agent.calc, calc_task(), llm)
-    obs = turn_suffix(tok, "17", role="tool")
-    s1, s2 = llm.sampled
-    assert ep.ids[-len(s2) - len(obs) - len(s1):] == s1 + obs + s2
-    assert ep.loss_mask[-len(s2) - len(obs):-len(s2)] == [0] * len(obs)
-    assert ep.reward == 1.0 and ep.info == {"turns": 2, "tool_calls": 1, "tool_errors": 0}
-    assert run(agent.calc, calc_task(), ScriptLLM(tok, ["calc: 3*4+5", "18"])).reward == 0.0
-    assert run(agent.calc, calc_task(), ScriptLLM(tok, ["17"])).info["tool_calls"] == 0
-
-
-def test_calc_hanging_tool_is_an_error_not_a_hang(tok):
-    llm = ScriptLLM(tok, ["calc: __import__('time').sleep(100)", "17"])
-    t0 = time.time()
-    ep = run(agent.calc, calc_task(tool_timeout=1.0), llm)
-    assert time.time() - t0 < 20
-    assert ep.info["tool_errors"] == 1 and ep.reward == 1.0
-    assert "timed out" in tok.decode(llm.prompts[1][len(llm.prompts[0]) + len(llm.sampled[0]):])
 
 
 # ---- arith ----

