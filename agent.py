@@ -42,29 +42,23 @@ CHAT_TEMPLATE = (
 # which is what lets a tiny model learn the game from scratch in minutes.
 GUESS_PROMPT, GUESS_FEEDBACK = "Guess my number from 1 to {}.", ["{} is too low", "{} is too high", "correct", "say a number"]
 CALC_PROMPT = "What is {}*{}+{}? You may run Python."
-
-
-# the tiny template's tools header with the calc task's tool, so BPE merges it into few tokens
-TOOLS_TEXT = ("# Tools\n<tools>\n{}\n</tools>\nCall one as <tool_call>\n{{\"name\": <name>, \"arguments\": "
-              "<args-json-object>}}\n</tool_call>")
-
-
-def _call(code):  # a tool call as the chat template writes it
-    return '<tool_call>\n{"name": "python", "arguments": ' + json.dumps({"code": code}) + '}\n</tool_call>'
+CORPUS_CALC = "What is {}*{}+{}? You may write `calc: <python expression>`."  # frozen: see _corpus
 
 
 def _corpus(rng: random.Random):
-    """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else."""
+    """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else. (Text added here
+    changes every merge, and with them the default run's tokens: the guess game learned slower with the tool-call
+    text in; calc's chat prompt is therefore ~230 tokens.)"""
     for _ in range(2000):
         a, b, c, n = (rng.randint(1, 9) for _ in range(4))
         yield from ["user\nassistant\ntool\nsystem\n", GUESS_PROMPT.format(n), *(f.format(a) for f in GUESS_FEEDBACK),
-                    f"I guess {a}.", CALC_PROMPT.format(a, b, c), _call(f"print({a}*{b}+{c})"),
-                    TOOLS_TEXT.format(json.dumps(PYTHON_TOOL)), f"The answer is {a * b + c}.", f"{a}+{b}=",
-                    "error: exit code 1\nTraceback (most recent call last):\n  File \"main.py\"", "error: timed out",
-                    "NameError: name 'x' is not defined", "SyntaxError: invalid syntax", "ZeroDivisionError"]
+                    f"I guess {a}.", CORPUS_CALC.format(a, b, c), f"calc: {a}*{b}+{c}", f"The answer is {a * b + c}.",
+                    f"{a}+{b}=", "error: exit code 1\nTraceback (most recent call last):\n  File \"main.py\"",
+                    "error: timed out", "NameError: name 'x' is not defined", "SyntaxError: invalid syntax",
+                    "ZeroDivisionError"]
 
 
-def make_tokenizer(path: str, vocab_size: int = 512) -> None:
+def make_tokenizer(path: str, vocab_size: int = 384) -> None:
     """Train and save (tokenizer.json + tokenizer_config.json) a tokenizer that AutoTokenizer loads. No download."""
     tok = Tokenizer(models.BPE())
     # Every digit is its own token, so a tiny model reads and writes numbers digit by digit.

@@ -21,7 +21,7 @@ class Config:
     dump_every: int = 10  # dump a few full episodes (decoded text, masks, reward) every N steps
     wandb_project: str = ""  # log to Weights & Biases under this project when wandb is installed
     # ---- model ----
-    model: str = "tiny"  # a Hugging Face directory (Qwen3 / Qwen3-MoE), or "tiny": a small MoE made from scratch
+    model: str = "tiny"  # HF dir (Qwen3, Qwen3-MoE, Llama, Qwen2), a .gguf file, or "tiny": a small MoE from scratch
     dtype: str = "float32"  # compute dtype (trainer and engine): float32 or bfloat16; master weights stay float32
     tiny_layers: int = 4  # tiny model: decoder layers
     tiny_hidden: int = 128  # tiny model: width

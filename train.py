@@ -35,7 +35,7 @@ import agent
 import config
 import estimators as est
 import rollout
-from model_moe import ModelConfig, Transformer, save_pretrained
+from model_moe import ModelConfig, Transformer, convert_gguf, save_pretrained
 
 
 # ---- distributed: the same script runs under python and torchrun ----
@@ -463,6 +463,10 @@ def main(argv=None):
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed + rank)
     init = tiny_init(cfg, rank, fsdp) if cfg.model == "tiny" else cfg.model
+    if init.endswith(".gguf"):  # dequantized once into <file>.hf, which also holds the tokenizer
+        init = convert_gguf(init) if rank == 0 else init + ".hf"
+        if fsdp:
+            dist.barrier()
     ckpt = latest_checkpoint(cfg) if cfg.resume else None
     if ckpt:
         same_architecture(ckpt, init)

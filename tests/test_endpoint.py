@@ -30,7 +30,7 @@ def dense_engine(tok, seed=0, **kw):
     c = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     return TorchEngine(Transformer(c).init_weights(seed, std=0.3), **dict(dict(
-        slots=64, max_len=256, max_new_tokens=8, stop_ids=[tok.eos_token_id], seed=seed, **SAMPLING), **kw))
+        slots=64, max_len=512, max_new_tokens=8, stop_ids=[tok.eos_token_id], seed=seed, **SAMPLING), **kw))
 
 
 class ScriptEngine:
@@ -104,7 +104,7 @@ def test_refused_parameters_and_bad_requests_are_openai_errors(tok):
         errors = {}
         for name, kw in [("temperature", dict(temperature=0.5)), ("top_p", dict(top_p=0.9)),
                          ("top_k", dict(extra_body={"top_k": 5})), ("messages", dict(messages=[{"content": "x"}])),
-                         ("long", dict(messages=[{"role": "user", "content": "7" * 300}])), ("n", dict(n=2))]:
+                         ("long", dict(messages=[{"role": "user", "content": "7" * 600}])), ("n", dict(n=2))]:
             with pytest.raises(openai.BadRequestError) as e:
                 await client.chat.completions.create(**dict(dict(model=llm.model, messages=ok), **kw))
             errors[name] = e.value.body
@@ -223,10 +223,14 @@ def test_completions_with_token_ids_extend_the_segment(tok):
 CALC = {"group": 0, "a": 3, "b": 4, "c": 5, "max_turns": 3, "tool_timeout": 1.0, "tool_memory_mb": 256}
 
 
+def tool_call_text(code):  # a python tool call as the chat template writes it
+    return '<tool_call>\n{"name": "python", "arguments": ' + json.dumps({"code": code}) + '}\n</tool_call>'
+
+
 @pytest.mark.parametrize("code,answer,reward,errors", [("print(3*4+5)", "17", 1.0, 0), ("print(3*4+5)", "18", 0.0, 0),
                                                        ("__import__('time').sleep(100)", "17", 1.0, 1)])
 def test_calc_runs_its_tool_in_the_sandbox(tok, code, answer, reward, errors):
-    engine = ScriptEngine(tok, [agent._call(code) + "<|im_end|>", answer + "<|im_end|>"])
+    engine = ScriptEngine(tok, [tool_call_text(code) + "<|im_end|>", answer + "<|im_end|>"])
     llm, result = chat_episode(engine, tok, lambda client, llm: agent.calc(CALC, llm))
     assert result == {"reward": reward, "info": {"turns": 2, "tool_calls": 1, "tool_errors": errors}}
     [(ep, calls)] = endpoint.segments(llm, result)
@@ -249,7 +253,7 @@ def test_qwen3_thinking_and_tool_calls_are_token_exact_and_dropped_thinking_is_a
     template keeps <think> after the last user turn), then a new user turn: the template drops the earlier
     <think> blocks, so the rendering no longer extends the record and a second segment starts."""
     q = qwen3_tokenizer()
-    texts = ['<think>\nI should compute.\n</think>\n\n' + agent._call("print(3*4+5)") + "<|im_end|>",
+    texts = ['<think>\nI should compute.\n</think>\n\n' + tool_call_text("print(3*4+5)") + "<|im_end|>",
              "<think>\nThe tool says 17.\n</think>\n\nIt is 17.<|im_end|>", "<think>\nEasy.\n</think>\n\n4.<|im_end|>"]
 
     async def chat(client, llm):
