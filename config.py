@@ -19,6 +19,8 @@ class Config:
     overwrite: bool = False  # start afresh in an out_dir that holds an earlier run, deleting its files
     ckpt_every: int = 50  # write a checkpoint every N steps (and at the end); 0 = only at the end
     dump_every: int = 10  # dump a few full episodes (decoded text, masks, reward) every N steps
+    rollout_dump: bool = False  # save every trained batch (all its tensors) to <out_dir>/rollouts/step_N.pt
+    replay: str = ""  # train on the batches of a rollout_dump directory instead of generating (no engine)
     wandb_project: str = ""  # log to Weights & Biases under this project when wandb is installed
     # ---- model ----
     model: str = "tiny"  # HF dir (Qwen3, Qwen3-MoE, Llama, Qwen2), a .gguf file, or "tiny": a small MoE from scratch
@@ -55,7 +57,10 @@ class Config:
     tool_timeout: float = 5.0  # seconds of wall time for one tool call
     tool_memory_mb: int = 256  # address-space limit of a tool call
     # ---- algorithm ----
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean | opd
+    teacher: str = ""  # opd (on-policy distillation): the frozen teacher's HF directory (the student's tokenizer)
+    opd_reward_coef: float = 0.0  # opd: weight of the task reward's GRPO advantage beside the teacher's
+    filter_groups: bool = False  # drop groups whose rewards are all equal and take others (DAPO dynamic sampling)
     policy_loss: str = "ppo"  # ppo | gspo | cispo
     clip_low: float = 0.2  # ratio clip below 1
     clip_high: float = 0.28  # ratio clip above 1 (clip-higher)
@@ -94,6 +99,8 @@ class Config:
             ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..batch_size ({self.batch_size})"),
             ("ppo_epochs", self.ppo_epochs >= 1, "must be >= 1"),
             ("max_failed_groups", self.max_failed_groups >= 1, "must be >= 1"),
+            ("teacher", (self.advantage == "opd") == bool(self.teacher), "is given exactly when advantage=opd"),
+            ("replay", not (self.replay and self.rollout_dump), "and rollout_dump do not go together"),
             ("max_turns", self.max_turns >= 1, "must be >= 1"),
             ("guess_max", 1 <= self.guess_max <= 9, "must be in 1..9 (a guess is one digit)"),
             ("patch_size", self.patch_size >= 1 and self.image_size % self.patch_size == 0, "must divide image_size"),
@@ -110,6 +117,7 @@ class Config:
         for key, table in (("advantage", estimators.ADVANTAGES), ("policy_loss", estimators.POLICY_LOSSES),
                            ("correction", estimators.CORRECTIONS), ("aggregation", estimators.AGGREGATIONS),
                            ("kl_estimator", estimators.KL)):
+            table = table | {"opd": None} if key == "advantage" else table
             checks.append((key, getattr(self, key) in table, f"must be one of {', '.join(table)}"))
         for key, ok, why in checks:
             if not ok:

@@ -89,6 +89,15 @@ def batch_mean(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     return _centre(rewards, torch.zeros_like(group_ids))[0]
 
 
+def distill_advantage(*, teacher_logp: Tensor, old_logp: Tensor, loss_mask: Tensor) -> Tensor:
+    """On-policy distillation (Agarwal et al. 2024, https://arxiv.org/abs/2306.13649; Thinking Machines 2025,
+    https://thinkingmachines.ai/blog/on-policy-distillation): the student samples, and each sampled token's
+    advantage is log pi_teacher - log pi_student, [B, T]: the policy gradient then descends the per-token reverse
+    KL(student || teacher). Zero where loss_mask is 0 and where the student already is the teacher. Per token,
+    unlike the per-episode advantages below, so it is not one of them (advantage="opd" adds it to GRPO's)."""
+    return (teacher_logp - old_logp) * loss_mask
+
+
 ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
               "reinforce_pp_baseline": reinforce_pp_baseline, "batch_mean": batch_mean}
 

@@ -224,6 +224,10 @@ def micro_loss(model, b, cfg, counts, adv, world):
     logits, logp = token_logp(model, b, cfg)  # experts replayed
     old = b.get("old_logp", logp.detach())
     A = adv[:, None].expand_as(logp)  # (B, T-1)
+    gap = torch.zeros(())
+    if "teacher_logp" in b:  # on-policy distillation: per-token advantage log pi_teacher - log pi_old
+        A = A + est.distill_advantage(teacher_logp=b["teacher_logp"], old_logp=old, loss_mask=mask)
+        gap = ((old - b["teacher_logp"]) * mask).sum()
     w, corr_frac = est.CORRECTIONS[cfg.correction](old_logp=old, rollout_logp=b["rollout_logp"][:, 1:],
                                                    loss_mask=mask, low=cfg.correction_low, high=cfg.correction_high)
     per_tok, clip_frac = est.POLICY_LOSSES[cfg.policy_loss](
@@ -245,12 +249,12 @@ def micro_loss(model, b, cfg, counts, adv, world):
     n_tok = mask.sum()
     flips = model.flips if model.flips is not None else torch.zeros(2)
     m = torch.stack([loss.detach(), clip_frac * n_tok, corr_frac * n_tok, ent.detach().sum(), (kl.detach() * mask).sum(),
-                     aux.detach(), *flips.to(loss.device)])
+                     aux.detach(), gap.to(loss.device), *flips.to(loss.device)])
     # FSDP averages gradients over ranks; the aggregation already divides by the update's counts
     return (loss + cfg.router_aux_coef * aux) * world, m, old
 
 
-LOSS_KEYS = ["loss", "clip", "corr", "entropy", "kl", "router_aux", "flips", "flip_n"]  # summed over updates
+LOSS_KEYS = ["loss", "clip", "corr", "entropy", "kl", "router_aux", "distill_gap", "flips", "flip_n"]  # summed over updates
 CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum"]  # counted once per step
 
 
@@ -266,7 +270,7 @@ def consistency(b, old_logp, version, max_staleness):
     return vec, int(stale.max()) if stale.numel() else 0
 
 
-def train_step(model, opt, share, cfg, version, world, ref=None):
+def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
     """This rank's share of a step: recompute, then ppo_epochs x mini-batch updates. share: from make_shares.
     -> (this rank's summed metrics, LOSS_KEYS + CONSISTENCY_KEYS + histogram; max staleness; gradient norms)"""
     device = next(model.parameters()).device
@@ -277,6 +281,8 @@ def train_step(model, opt, share, cfg, version, world, ref=None):
         for b, _ in (x for mini in batches for x in mini):
             if ref is not None:
                 b["ref_logp"] = token_logp(ref, b, cfg, filtered=False)[1]
+            if teacher is not None:
+                b["teacher_logp"] = token_logp(teacher, b, cfg, filtered=False)[1]
             if several:  # pi_old for every mini-batch now; a single update takes it from its own forward
                 b["old_logp"] = token_logp(model, b, cfg)[1]
     losses, checks, stale_max, norms = 0, 0, 0, []
@@ -321,11 +327,13 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
         "mismatch/tokens": mm, "loss/policy": s["loss"] / n, "loss/clip_frac": s["clip"] / (tok * n),
         "loss/correction_frac": s["corr"] / (tok * n), "loss/entropy": s["entropy"] / (tok * n),
         "loss/kl_ref": s["kl"] / (tok * n), "loss/router_aux": s["router_aux"] / n,
+        "loss/distill_reverse_kl": s["distill_gap"] / (tok * n),  # mean log pi - log pi_teacher: 0 at the teacher
         "routing/flip_frac": s["flips"] / s["flip_n"] if s["flip_n"] else None,
         "grad/norm": sum(finite) / len(finite) if finite else math.nan, "train/updates": n,
         "train/skipped_steps": counters["skipped_steps"], **{f"time/{k}": v for k, v in times.items()},
         "throughput/rollout_tokens_per_s": rollout_rate, "throughput/train_tokens_per_s": s["tokens"] / times["train"],
-        **{f"rollout/{k}": stats[k] for k in rollout.COUNTS}, "rollout/dropped_stale": counters["dropped_stale"],
+        **{f"rollout/{k}": stats[k] for k in rollout.COUNTS},
+        **{f"rollout/{k}": counters[k] for k in ("dropped_stale", "filtered_groups")},
         **{f"episode/{k}": sum(m["info"].get(k, 0.0) for m in msgs) / len(msgs)
            for k in sorted({k for m in msgs for k in m["info"]})},
     }
@@ -440,11 +448,21 @@ def take_batch(cfg, ro, version, counters):
             continue
         fresh = [m for m in group if version - m["versions"][m["loss_mask"] == 1].min().item() <= cfg.max_staleness]
         counters["dropped_stale"] += len(group) - len(fresh)
-        if not fresh:  # nothing left of the group: let the rollout start another
+        same = cfg.filter_groups and len({m["reward"] for m in fresh}) == 1  # DAPO's dynamic sampling: no signal
+        counters["filtered_groups"] += bool(fresh and same)
+        if not fresh or same:  # nothing (informative) left of the group: let the rollout start another
             ro.drop(1)
             continue
         msgs, n_groups = msgs + fresh, n_groups + 1
     return sorted(msgs, key=lambda m: m["index"]), time.perf_counter() - t0
+
+
+def replayed(cfg, step):
+    """The batch a run with rollout_dump=true trained at this step, instead of generating one."""
+    path = os.path.join(cfg.replay, f"step_{step + 1}.pt")
+    if not os.path.isfile(path):
+        raise RuntimeError(f"replay: {path} is missing (a dump of {cfg.replay} holds {len(os.listdir(cfg.replay))} steps)")
+    return torch.load(path, weights_only=False), 0.0
 
 
 def main(argv=None):
@@ -473,10 +491,11 @@ def main(argv=None):
     model = build_model(cfg, rank, device, fsdp, ckpt or init)
     tokenizer_dir = ckpt or init
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
+    teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     state = load_trainer_state(ckpt, model, opt, fsdp)
     step, data_position = state["step"], state["data_position"]
-    counters = state.get("counters", {"dropped_stale": 0, "bad_steps": 0, "skipped_steps": 0})
+    counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0) | state.get("counters", {})
     logger = Logger(cfg, rank, step)
     weights = full_state(model, fsdp)
     ro = tokenizer = stats = None
@@ -485,8 +504,9 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(config.to_dict(cfg), f, indent=2)
-        ro = rollout.start_rollout(cfg, model.config, weights, step, data_position, tokenizer_dir,
-                                   state.get("rollout_counts"))
+        if not cfg.replay:
+            ro = rollout.start_rollout(cfg, model.config, weights, step, data_position, tokenizer_dir,
+                                       state.get("rollout_counts"))
     last_stats, last_t = None, time.perf_counter()
 
     def checkpoint():
@@ -497,13 +517,16 @@ def main(argv=None):
         while step < cfg.max_steps:
             t_step = time.perf_counter()
             # ---- 1. a batch from the rollout queue; rank 0 sends every rank its share ----
-            shares, wait, stop = [None] * world, 0.0, STOP["signal"]
+            shares, msgs, wait, stop = [None] * world, None, 0.0, STOP["signal"]
             if rank == 0 and stop is None:
                 try:
-                    msgs, wait = take_batch(cfg, ro, step, counters)
+                    msgs, wait = take_batch(cfg, ro, step, counters) if ro else replayed(cfg, step)
                     stop = STOP["signal"] if msgs is None else None
                 except RuntimeError as e:  # the rollout process died: every rank stops, with a checkpoint
                     stop = f"error: {e}"
+                if cfg.rollout_dump and msgs:
+                    os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
+                    torch.save(msgs, os.path.join(cfg.out_dir, "rollouts", f"step_{step + 1}.pt"))
             if world > 1:  # one decision for all ranks (a signal may reach them at different times)
                 flag = [stop]
                 dist.broadcast_object_list(flag, src=0)
@@ -514,9 +537,11 @@ def main(argv=None):
                     raise RuntimeError(f"{stop}; checkpoint of step {step} written to {cfg.out_dir}/ckpt")
                 print(f"{stop}: checkpoint of step {step} written to {cfg.out_dir}/ckpt; exiting", flush=True)
                 break
-            if rank == 0:
-                adv = est.ADVANTAGES[cfg.advantage](rewards=torch.tensor([m["reward"] for m in msgs]),
-                                                    group_ids=torch.tensor([m["group"] for m in msgs]))
+            if rank == 0:  # (on-policy distillation: GRPO's advantage of the task reward, weighted, plus the teacher's)
+                opd = cfg.advantage == "opd"
+                adv = est.ADVANTAGES["grpo" if opd else cfg.advantage](
+                    rewards=torch.tensor([m["reward"] for m in msgs]), group_ids=torch.tensor([m["group"] for m in msgs]))
+                adv = adv * cfg.opd_reward_coef if opd else adv
                 shares = make_shares(msgs, adv.tolist(), world, cfg)
             if world > 1:
                 out = [None]
@@ -524,7 +549,7 @@ def main(argv=None):
                 shares[rank] = out[0]
             # ---- 2-4. recompute, loss, backward, step ----
             t_train = time.perf_counter()
-            vec, stale_max, norms = train_step(model, opt, shares[rank], cfg, step, world, ref)
+            vec, stale_max, norms = train_step(model, opt, shares[rank], cfg, step, world, ref, teacher)
             sums, stale_max, hist = reduce_metrics(vec, stale_max, world)
             if not all(math.isfinite(g) for g in norms):  # an update was skipped; too many in a row end the run
                 counters["bad_steps"] += 1
@@ -538,7 +563,7 @@ def main(argv=None):
             # ---- 5. publish weights as version `step` ----
             t_sync = time.perf_counter()
             weights = full_state(model, fsdp)
-            if rank == 0:
+            if ro is not None:
                 ro.publish(weights, step)
             t_sync = time.perf_counter() - t_sync
             # ---- log ----

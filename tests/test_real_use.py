@@ -312,3 +312,59 @@ def test_two_ranks_with_kl_and_mini_batches_run_to_the_end(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     ms = metrics(tmp_path)
     assert len(ms) == 3 and all(m["train/updates"] == 2 and m["mismatch/logprob_abs_diff"] < 1e-5 for m in ms)
+
+
+# ---- the research surface: dynamic filtering, replay, on-policy distillation ----
+
+def test_filter_groups_trains_only_informative_groups_within_the_staleness_bound(tmp_path):
+    r = run_train(tmp_path, "--filter_groups", "--max_steps=4", "--max_staleness=1", "--rollout_dump")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ms = metrics(tmp_path)
+    assert ms[-1]["rollout/filtered_groups"] > 0  # the untrained policy fails most groups together
+    for step in range(1, 5):
+        msgs = torch.load(tmp_path / "rollouts" / f"step_{step}.pt", weights_only=False)
+        groups = {}
+        for m in msgs:
+            groups.setdefault(m["group"], set()).add(m["reward"])
+        assert len(groups) == 4 and all(len(rs) > 1 for rs in groups.values())  # 4 groups, none all-equal
+        assert all(step - 1 - m["versions"][m["loss_mask"] == 1].min() <= 1 for m in msgs)
+    assert all(m["staleness/max"] <= 1 for m in ms)
+
+
+def test_replaying_a_dumped_run_reproduces_its_losses_and_weights(tmp_path):
+    r = run_train(tmp_path / "a", "--max_steps=3", "--max_staleness=0", "--rollout_dump")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_train(tmp_path / "b", "--max_steps=3", "--max_staleness=0", f"--replay={tmp_path / 'a' / 'rollouts'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for x, y in zip(metrics(tmp_path / "a"), metrics(tmp_path / "b")):
+        assert x["loss/policy"] == y["loss/policy"] and x["grad/norm"] == y["grad/norm"]
+    from model_moe import load_safetensors
+    a, b = load_safetensors(str(tmp_path / "a" / "ckpt")), load_safetensors(str(tmp_path / "b" / "ckpt"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    r = run_train(tmp_path / "c", "--max_steps=4", "--max_staleness=0", f"--replay={tmp_path / 'a' / 'rollouts'}")
+    assert r.returncode != 0 and "step_4.pt is missing" in r.stderr
+
+
+def test_distilling_from_a_copy_of_oneself_has_zero_advantage():
+    import estimators
+    model, msgs = tiny_setup()
+    cfg = config.load(["--max_staleness=0", "--advantage=opd", "--teacher=copy", "--lr=0.1"])
+    teacher = tiny_setup()[0]  # the same weights
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    share = train.make_shares(msgs, [0.0] * len(msgs), 1, cfg)[0]
+    vec, _, _ = train.train_step(model, opt, share, cfg, 0, 1, teacher=teacher)
+    sums = train.reduce_metrics(vec, 0, 1)[0]
+    assert sums["distill_gap"] == 0 and abs(sums["loss"]) < 1e-9  # advantage 0 everywhere: no policy gradient
+    lp = torch.randn(2, 5)
+    assert estimators.distill_advantage(teacher_logp=lp, old_logp=lp, loss_mask=torch.ones(2, 5)).abs().max() == 0
+
+
+@pytest.mark.slow
+def test_a_student_distilled_from_a_teacher_closes_most_of_the_gap(tmp_path):
+    r = run_train(tmp_path / "teacher", "--max_steps=30", "--max_staleness=0", "--lr=5e-3")  # trained, peaked
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_train(tmp_path / "student", "--max_steps=40", "--max_staleness=0", "--seed=1", "--advantage=opd",
+                  f"--teacher={tmp_path / 'teacher' / 'ckpt'}", "--lr=3e-3")  # another random init
+    assert r.returncode == 0, r.stderr[-3000:]
+    gap = [m["loss/distill_reverse_kl"] for m in metrics(tmp_path / "student")]
+    assert gap[0] > 1 and sum(gap[-5:]) / 5 < 0.3 * gap[0], gap  # measured: 3.8 -> 0.04
