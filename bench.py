@@ -4,15 +4,13 @@ bench.py: the numbers README's "Performance" section quotes, each as measured, b
 engine (default): rollout.TorchEngine vs transformers' `generate`, same tiny MoE and weights, 1/8/64 requests.
 overlap, parity, scale, memory: train.py subprocesses (`run_train`), trainer on CPU 0 and rollout on CPU 1.
 trainer, flops, moe, publish: in this process on CPU 0, one thread, on a real batch of guess episodes (`setup`).
-Timings are medians of interleaved calls (`timed`); on a shared machine run one section at a time:
-    flock /tmp/nanomolt-cpu.lock python bench.py overlap
+On a shared machine run one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py overlap
 """
 import argparse
 import asyncio
 import contextlib
 import functools
 import json
-import math
 import os
 import signal
 import statistics
@@ -156,7 +154,7 @@ def welch(a, b):
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     if va + vb == 0:
         return 0.0, float("nan"), float(mean(a) == mean(b))
-    t = (mean(a) - mean(b)) / math.sqrt(va + vb)
+    t = (mean(a) - mean(b)) / (va + vb) ** 0.5
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     x = torch.linspace(0, abs(t), 2001, dtype=torch.float64)
     area = torch.trapezoid(torch.distributions.StudentT(df).log_prob(x).exp(), x).item()  # P(0 < T < |t|)
@@ -171,8 +169,9 @@ def bench_parity():
         runs.append([mean(m["reward/mean"] for m in ms[-last:]) for ms, _ in out] + [w for _, w in out])
     fa, fs = list(zip(*runs))[:2]
     t, df, p = welch(fa, fs)
+    named = [*((f"seed {i}", r) for i, r in enumerate(runs)), ("mean", list(map(mean, zip(*runs))))]
     rows = [(name, f"{a:.3f}", f"{s:.3f}", f"{a - s:+.3f}", f"{wa:.0f} s", f"{ws:.0f} s", f"{wa / ws:.2f}")
-            for name, (a, s, wa, ws) in [*((f"seed {i}", r) for i, r in enumerate(runs)), ("mean", map(mean, zip(*runs)))]]
+            for name, (a, s, wa, ws) in named]
     rows += [("sd", f"{statistics.stdev(fa):.3f}", f"{statistics.stdev(fs):.3f}", "target: mean within ±0.05"),
              ("Welch t-test", f"t = {t:+.2f}", f"df = {df:.1f}", f"p = {p:.2f} (target > 0.05)")]
     table(f"learning parity: --max_steps={steps}, final reward = mean of the last {last} steps",
@@ -235,14 +234,14 @@ def bench_trainer():
         logp = torch.log_softmax(plain_model(ids)[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
         (-(logp * A * mask).sum() / mask.sum()).backward()
         plain_opt.step()
-    t = {k: w for k, (w, _) in timed({"full": lambda: (s["step"](), s["publish"]()), "plain": plain, "step": s["step"],
-                                      "publish": s["publish"]}, 3 if args.quick else 10).items()}
+    t = timed({"full": lambda: (s["step"](), s["publish"]()), "plain": plain, "publish": s["publish"]},
+              3 if args.quick else 10)
+    full, base, pub = t["full"][0], t["plain"][0], t["publish"][0]
     table(f"trainer overhead: {len(ids)} episodes, {tokens} tokens, the plain loop pads to {tuple(ids.shape)}",
-          ["measure", "measured tok/s", "plain loop tok/s (baseline)", "ratio", "target"],
-          [(name, f"{tokens / t[k]:,.0f}", f"{tokens / t['plain']:,.0f}", f"{t['plain'] / t[k]:.2f}", target)
-           for k, name, target in (("full", "train.train_step + publish", ">= 0.90"), ("step", "train_step alone", ""))]
-          + [("weight publish alone", f"{t['publish'] * 1e3:.1f} ms", f"{t['full'] * 1e3:.1f} ms step",
-              f"{t['publish'] / t['full']:.1%}", "")])
+          ["measure", "measured", "plain loop (baseline)", "ratio", "target"],
+          [("train.train_step + publish, tok/s", f"{tokens / full:,.0f}", f"{tokens / base:,.0f}",
+            f"{base / full:.2f}", ">= 0.90"),
+           ("weight publish alone", f"{pub * 1e3:.1f} ms", f"{full * 1e3:.1f} ms step", f"{pub / full:.1%}")])
 
 
 def step_flops(c, mb):
@@ -303,7 +302,7 @@ def bench_publish():
     for width in (128, 512):
         s = setup(width)
         mb = sum(t.numel() * t.element_size() for t in s["model"].state_dict().values()) / 1e6
-        t = {k: w for k, (w, _) in timed({k: s[k] for k in ("step", "publish", "disk")}, n).items()}
+        t = {k: wall for k, (wall, _) in timed({k: s[k] for k in ("step", "publish", "disk")}, n).items()}
         rows += [(f"tiny_hidden={width}, {mb:.1f} MB", name, f"{t[k] * 1e3:.1f} ms", f"{mb / 1e3 / t[k]:.2f} GB/s",
                   f"{t['step'] * 1e3:.0f} ms", f"{t[k] / (t[k] + t['step']):.1%}", "< 5%" * (width == 128))
                  for k, name in (("publish", "embedded: Rollout.publish to shared memory"),
@@ -362,9 +361,7 @@ def bench_engine():
     os.sched_setaffinity(0, range(os.cpu_count()))  # other sections of `all` ran on CPU 0, one thread
     torch.set_num_threads(args.threads or os.cpu_count())
     new, rows_max, repeats = (16, 64, 1) if args.quick else (128, 64, 3)  # new tokens per row; rows = engine slots
-    c = ModelConfig(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                    max_position_embeddings=256)
+    c = ModelConfig(vocab_size=384, num_experts=8, max_position_embeddings=256)  # else the defaults: the tiny preset
     ours = Transformer(c).init_weights(args.seed).eval()
     with tempfile.TemporaryDirectory() as d:
         ours.save_pretrained(d)
