@@ -4,15 +4,13 @@ bench.py: the numbers README's "Performance" section quotes, each as measured, b
 engine (default): rollout.TorchEngine vs transformers' `generate`, same tiny MoE and weights, 1/8/64 requests.
 overlap, parity, scale, memory: train.py subprocesses (`run_train`), trainer on CPU 0 and rollout on CPU 1.
 trainer, flops, moe, publish: in this process on CPU 0, one thread, on a real batch of guess episodes (`setup`).
-Timings go through `timed` (interleaved calls, medians); on a shared machine run one section at a time:
-    flock /tmp/nanomolt-cpu.lock python bench.py overlap
+On a shared machine run one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py overlap
 """
 import argparse
 import asyncio
 import contextlib
 import functools
 import json
-import math
 import os
 import signal
 import statistics
@@ -71,6 +69,16 @@ def plot(name, panels, title):
     fig.savefig(f"assets/{name}.png", dpi=100)
 
 
+def serve(engine, coros):
+    """Await coroutines that call engine.generate while its step loop runs -> their results."""
+    async def main():
+        loop = asyncio.create_task(engine.run())
+        out = await asyncio.gather(*coros)
+        loop.cancel()
+        return out
+    return asyncio.run(main())
+
+
 # ---- the runner of the training sections: train.py as a subprocess, pinned, its memory watched ----
 
 def processes(pid):
@@ -84,7 +92,8 @@ def processes(pid):
             cmd, env = open(f"/proc/{p}/cmdline").read(), open(f"/proc/{p}/environ").read().split("\0")
             st = dict(line.split(":", 1) for line in open(f"/proc/{p}/status") if ":" in line)
             rank = next((e[5:] for e in env if e.startswith("RANK=")), "0")
-            role = "rollout" if "spawn_main" in cmd else "torchrun" if "distributed.run" in cmd else f"trainer rank {rank}"
+            role = "rollout" if "spawn_main" in cmd else \
+                "torchrun" if "distributed.run" in cmd else f"trainer rank {rank}"
             if "resource_tracker" not in cmd and "VmRSS" in st:
                 out[p] = role, int(st["VmRSS"].split()[0]) / 1024, int(st["VmHWM"].split()[0]) / 1024
     return out
@@ -133,22 +142,22 @@ def bench_overlap():
           ["measure", "measured", "baseline", "ratio", "target"], [
               ("generation of a batch (sync) / train step", f"{r['gen']:.3f} s", f"{r['trn']:.3f} s",
                f"{r['gen'] / r['trn']:.2f}", ""),
-              ("steps/s: async (max_staleness=1) / sync (0)", f"{r['asyn']:.3f}", f"{r['sync']:.3f}", f"{r['x']:.2f}x", ""),
+              ("steps/s: async (max_staleness=1) / sync (0)", f"{r['asyn']:.3f}", f"{r['sync']:.3f}",
+               f"{r['x']:.2f}x", ""),
               ("async speed-up: achieved / ideal (gen+train)/max", f"{r['x']:.2f}x", f"{r['ideal']:.2f}x",
                f"{r['x'] / r['ideal']:.0%}", ">= 90%"),
               ("async: trainer wait / train time per step", f"{r['wait']:.3f} s", f"{r['atrn']:.3f} s", "", "")])
 
 
 def welch(a, b):
-    """Welch's t-test -> (t, degrees of freedom, two-sided p), the Student-t tail by Simpson's rule."""
+    """Welch's t-test -> (t, degrees of freedom, two-sided p), the Student-t density integrated by torch."""
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     if va + vb == 0:
         return 0.0, float("nan"), float(mean(a) == mean(b))
-    t = (mean(a) - mean(b)) / math.sqrt(va + vb)
+    t = (mean(a) - mean(b)) / (va + vb) ** 0.5
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    c, n, h = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi), 2000, abs(t) / 2000
-    density = [math.exp(c - (df + 1) / 2 * math.log1p((i * h) ** 2 / df)) for i in range(n + 1)]
-    area = h / 3 * sum((1 if i in (0, n) else 4 if i % 2 else 2) * y for i, y in enumerate(density))  # P(0<T<|t|)
+    x = torch.linspace(0, abs(t), 2001, dtype=torch.float64)
+    area = torch.trapezoid(torch.distributions.StudentT(df).log_prob(x).exp(), x).item()  # P(0 < T < |t|)
     return t, df, max(0.0, 1 - 2 * area)
 
 
@@ -158,15 +167,16 @@ def bench_parity():
     for seed in range(args.seeds):
         out = [run_train([f"--max_steps={steps}", f"--max_staleness={s}", f"--seed={seed}"])[:2] for s in (1, 0)]
         runs.append([mean(m["reward/mean"] for m in ms[-last:]) for ms, _ in out] + [w for _, w in out])
+    fa, fs = list(zip(*runs))[:2]
+    t, df, p = welch(fa, fs)
+    named = [*((f"seed {i}", r) for i, r in enumerate(runs)), ("mean", list(map(mean, zip(*runs))))]
     rows = [(name, f"{a:.3f}", f"{s:.3f}", f"{a - s:+.3f}", f"{wa:.0f} s", f"{ws:.0f} s", f"{wa / ws:.2f}")
-            for name, (a, s, wa, ws) in [*((f"seed {i}", r) for i, r in enumerate(runs)), ("mean", map(mean, zip(*runs)))]]
-    (t, df, p), (fa, fs) = welch(*list(zip(*runs))[:2]), list(zip(*runs))[:2]
+            for name, (a, s, wa, ws) in named]
+    rows += [("sd", f"{statistics.stdev(fa):.3f}", f"{statistics.stdev(fs):.3f}", "target: mean within ±0.05"),
+             ("Welch t-test", f"t = {t:+.2f}", f"df = {df:.1f}", f"p = {p:.2f} (target > 0.05)")]
     table(f"learning parity: --max_steps={steps}, final reward = mean of the last {last} steps",
           ["seed", "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall",
-           "wall ratio"], rows + [("sd", f"{statistics.stdev(fa):.3f}", f"{statistics.stdev(fs):.3f}",
-                                   "target: mean within ±0.05", "", "", ""),
-                                  ("Welch t-test", f"t = {t:+.2f}", f"df = {df:.1f}", f"p = {p:.2f} (target > 0.05)",
-                                   "", "", "")])
+           "wall ratio"], rows)
 
 
 # ---- in-process sections: one real batch of the default recipe, on the trainer's core, one thread ----
@@ -174,45 +184,40 @@ def bench_parity():
 @functools.cache
 def setup(width=128):
     """The default recipe at tiny_hidden=width, built by train.py's code, one step's batch of guess episodes that
-    its engine sampled, split as train.py splits it -> {cfg, model, share, and timed calls: step, publish (to shared
-    memory, as for the embedded engine), disk (write_weights, as for servers)}."""
+    its engine sampled, shared out as train.py does -> {cfg, model, msgs, adv, share, and timed calls: step,
+    publish (to shared memory, as for the embedded engine), disk (write_weights, as for servers)}."""
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
     d = tempfile.mkdtemp()  # lives as long as this process: the cached setup uses it
     cfg = config.load([*GUESS, f"--out_dir={d}", f"--tiny_hidden={width}"])
-    model, tok_dir = train.build_model(cfg, 0, 1, torch.device("cpu"))
+    init = train.tiny_init(cfg, 0, False)
+    model = train.build_model(cfg, 0, torch.device("cpu"), False, init)
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok = AutoTokenizer.from_pretrained(init)
     engine = rollout.TorchEngine(model, slots=cfg.engine_slots, max_len=cfg.engine_max_len, seed=cfg.seed,
-                                 max_new_tokens=cfg.max_new_tokens, stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+                                 max_new_tokens=cfg.max_new_tokens, stop_ids=rollout.stop_ids(tok, init))
     run = agent.load_agent(cfg.task)
 
     async def one(i):
         llm = rollout.Policy(engine, tok)
         ep = await run(agent.make_task(cfg.task, i, seed=cfg.seed, group_size=cfg.group_size,
                                        guess_max=cfg.guess_max, max_turns=cfg.max_turns), llm)
-        msg = rollout.episode_to_msg(ep, i, rollout.check_tokens(ep, llm.calls))
+        msg = rollout.episode_to_msg(ep, i, i // cfg.group_size, rollout.check_tokens(ep, llm.calls))
         return msg if width == 128 else dict(msg, routing=None)  # wider: a random model's experts, routed freely
-
-    async def batch():
-        loop = asyncio.create_task(engine.run())
-        msgs = await asyncio.gather(*(one(i) for i in range(cfg.batch_size)))
-        loop.cancel()
-        return msgs
-    msgs = asyncio.run(batch())
+    msgs = serve(engine, [one(i) for i in range(cfg.batch_size)])
     model.train()
     adv = est.ADVANTAGES[cfg.advantage](rewards=torch.tensor([m["reward"] for m in msgs]),
                                         group_ids=torch.tensor([m["group"] for m in msgs]))
     adv = adv if adv.abs().sum() else torch.randn(len(msgs))  # equal rewards: a gradient anyway (time is measured)
-    share = {"msgs": msgs, "adv": adv, "micro_batches": train.split_batch(msgs, adv.tolist(), 1, cfg.micro_batch_tokens)[0],
-             "num_tokens": float(sum(len(m["engine_ids"]) for m in msgs)), "num_seqs": float(len(msgs))}
+    share = train.make_shares(msgs, adv.tolist(), 1, cfg)[0]
     ctx = torch.multiprocessing.get_context("spawn")
-    shared = {k: v.detach().clone().share_memory_() for k, v in train.full_state(model, 1).items()}
+    shared = {k: v.detach().clone().share_memory_() for k, v in train.full_state(model, False).items()}
     ro = rollout.Rollout(None, None, shared, ctx.Value("l", 0), ctx.Lock(), None)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
-    return dict(cfg=cfg, model=model, share=share, step=lambda: train.train_step(model, opt, share, cfg, 0, 1),
-                publish=lambda: ro.publish(train.full_state(model, 1), 1),
-                disk=lambda: rollout.write_weights(d, model.config, tok_dir, 1, train.full_state(model, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    return dict(cfg=cfg, model=model, msgs=msgs, adv=adv, share=share,
+                step=lambda: train.train_step(model, opt, share, cfg, 0, 1),
+                publish=lambda: ro.publish(train.full_state(model, False), 1),
+                disk=lambda: rollout.write_weights(d, model.config, init, 1, train.full_state(model, False)))
 
 
 def bench_trainer():
@@ -220,29 +225,30 @@ def bench_trainer():
     plain_model = Transformer(s["model"].config)
     plain_model.load_state_dict(s["model"].state_dict())
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=s["cfg"].lr)
-    b = train.collate(s["share"]["msgs"], "cpu")  # the plain loop gets its tensors ready-made
-    ids, mask, A = b["ids"], b["loss_mask"][:, 1:], s["share"]["adv"][:, None]
-    tokens = sum(len(m["logprobs"]) for m in s["share"]["msgs"])  # episode tokens (the plain loop also runs padding)
+    b = train.collate(s["msgs"], "cpu")  # the plain loop gets its tensors ready-made
+    ids, mask, A = b["ids"], b["loss_mask"][:, 1:], s["adv"][:, None]
+    tokens = sum(len(m["ids"]) for m in s["msgs"])  # episode tokens (the plain loop also runs padding)
 
     def plain():  # forward, a policy-gradient loss, backward, AdamW
         plain_opt.zero_grad(set_to_none=True)
         logp = torch.log_softmax(plain_model(ids)[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
         (-(logp * A * mask).sum() / mask.sum()).backward()
         plain_opt.step()
-    t = timed({"full": lambda: (s["step"](), s["publish"]()), "plain": plain, "step": s["step"],
-               "publish": s["publish"]}, 3 if args.quick else 10)
+    t = timed({"full": lambda: (s["step"](), s["publish"]()), "plain": plain, "publish": s["publish"]},
+              3 if args.quick else 10)
+    full, base, pub = t["full"][0], t["plain"][0], t["publish"][0]
     table(f"trainer overhead: {len(ids)} episodes, {tokens} tokens, the plain loop pads to {tuple(ids.shape)}",
-          ["measure", "measured tok/s", "plain loop tok/s (baseline)", "ratio", "ratio, CPU time", "target"],
-          [(name, f"{tokens / t[k][0]:,.0f}", f"{tokens / t['plain'][0]:,.0f}", f"{t['plain'][0] / t[k][0]:.2f}",
-            f"{t['plain'][1] / t[k][1]:.2f}", target)
-           for k, name, target in (("full", "train.train_step + publish", ">= 0.90"), ("step", "train_step alone", ""))]
-          + [("weight publish alone", f"{t['publish'][0] * 1e3:.1f} ms", f"{t['full'][0] * 1e3:.1f} ms step",
-              f"{t['publish'][0] / t['full'][0]:.1%}", f"{t['publish'][1] / t['full'][1]:.1%}", "")])
+          ["measure", "measured", "plain loop (baseline)", "ratio", "target"],
+          [("train.train_step + publish, tok/s", f"{tokens / full:,.0f}", f"{tokens / base:,.0f}",
+            f"{base / full:.2f}", ">= 0.90"),
+           ("weight publish alone", f"{pub * 1e3:.1f} ms", f"{full * 1e3:.1f} ms step", f"{pub / full:.1%}")])
 
 
-def step_flops(c, B, T, n_logits):
-    """Matmul FLOPs of a train step (forward + backward = 3x forward) on (B, T) tokens: attention over the full
-    T x T (as SDPA computes it), MoE over the top-k experts a token runs, the vocabulary at n_logits positions."""
+def step_flops(c, mb):
+    """Matmul FLOPs of a train step (forward + backward = 3x forward) on a micro-batch [(msg, adv)] padded to
+    (B, T): attention over the full T x T (as SDPA computes it), MoE over the top-k experts a token runs, the
+    vocabulary only at the positions whose next token is trained (the sampled ones)."""
+    B, T, n_logits = len(mb), max(len(m["ids"]) for m, _ in mb), sum(len(m["engine_ids"]) for m, _ in mb)
     N, H, hd = B * T, c.hidden_size, c.head_dim
     attn = 4 * N * H * hd * (c.num_attention_heads + c.num_key_value_heads) + 4 * B * c.num_attention_heads * T * T * hd
     mlp = sum(2 * N * H * (3 * c.moe_intermediate_size * c.num_experts_per_tok + c.num_experts) if c.is_moe_layer(i)
@@ -254,15 +260,13 @@ def bench_flops():
     n, rows, a = 2 if args.quick else 5, [], torch.randn(2048, 2048)
     for width in (128,) if args.quick else (128, 256, 512):
         s = setup(width)
-        peak = [2 * 2048 ** 3 / x for x in timed({"mm": lambda: a @ a}, 3 * n, best=True)["mm"]]  # (wall, CPU) FLOP/s
-        flops = sum(step_flops(s["model"].config, len(mb), max(len(m["logprobs"]) for m, _ in mb),
-                               sum(len(m["engine_ids"]) for m, _ in mb)) for mb in s["share"]["micro_batches"])
-        fl = [flops / x for x in timed({"step": s["step"]}, n)["step"]]
+        peak = 2 * 2048 ** 3 / timed({"mm": lambda: a @ a}, 3 * n, best=True)["mm"][0]  # FLOP/s
+        flops = sum(step_flops(s["model"].config, mb) for mini in s["share"]["mini_batches"] for mb in mini)
+        fl = flops / timed({"step": s["step"]}, n)["step"][0]
         rows.append((f"tiny_hidden={width} ({sum(p.numel() for p in s['model'].parameters()) / 1e6:.1f}M params)",
-                     f"{fl[0] / 1e9:.1f}", f"{peak[0] / 1e9:.1f}", f"{fl[0] / peak[0]:.0%}", f"{fl[1] / peak[1]:.0%}",
-                     ">= 50%" if width == 128 else ""))
+                     f"{fl / 1e9:.1f}", f"{peak / 1e9:.1f}", f"{fl / peak:.0%}", ">= 50%" if width == 128 else ""))
     table(f"hardware use: train_step FLOP/s (median of {n}) vs a 2048x2048 fp32 matmul (best of {3 * n})",
-          ["model", "trainer GFLOP/s (measured)", "matmul GFLOP/s (baseline)", "ratio", "ratio, CPU time", "target"], rows)
+          ["model", "trainer GFLOP/s (measured)", "matmul GFLOP/s (baseline)", "ratio", "target"], rows)
 
 
 def moe_naive(m, x):
@@ -284,7 +288,6 @@ def bench_moe():
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.02)
         x = torch.randn(64 * 64, H, requires_grad=True)  # 64 episodes of 64 tokens
-        torch.testing.assert_close(moe(x)[0], moe_naive(moe, x), rtol=1e-4, atol=1e-5)
         t = timed({"grouped": lambda: moe(x)[0].sum().backward(), "naive": lambda: moe_naive(moe, x).sum().backward(),
                    "dense": lambda: dense(x).sum().backward()}, n)
         rows += [(f"H={H}, 8 experts top-2", f"{t['grouped'][0] * 1e3:.1f} ms", f"{what}: {t[k][0] * 1e3:.1f} ms",
@@ -299,9 +302,9 @@ def bench_publish():
     for width in (128, 512):
         s = setup(width)
         mb = sum(t.numel() * t.element_size() for t in s["model"].state_dict().values()) / 1e6
-        t = timed({k: s[k] for k in ("step", "publish", "disk")}, n)
-        rows += [(f"tiny_hidden={width}, {mb:.1f} MB", name, f"{t[k][0] * 1e3:.1f} ms", f"{mb / 1e3 / t[k][0]:.2f} GB/s",
-                  f"{t['step'][0] * 1e3:.0f} ms", f"{t[k][0] / (t[k][0] + t['step'][0]):.1%}", "< 5%" * (width == 128))
+        t = {k: wall for k, (wall, _) in timed({k: s[k] for k in ("step", "publish", "disk")}, n).items()}
+        rows += [(f"tiny_hidden={width}, {mb:.1f} MB", name, f"{t[k] * 1e3:.1f} ms", f"{mb / 1e3 / t[k]:.2f} GB/s",
+                  f"{t['step'] * 1e3:.0f} ms", f"{t[k] / (t[k] + t['step']):.1%}", "< 5%" * (width == 128))
                  for k, name in (("publish", "embedded: Rollout.publish to shared memory"),
                                  ("disk", "servers: rollout.write_weights"))]
     table(f"weight publishing, median of {n} (the disk path leaves out the servers' own load)",
@@ -344,7 +347,8 @@ def bench_memory():
                      f"{r1 - r0:+.1f} MB ({(r1 - r0) / r0:+.1%})", "flat"))
         lines[name] = [t / 60 for t, m in mem if name in m], [m[name][0] for t, m in mem if name in m]
     table(f"memory: torchrun --nproc_per_node=2 train.py, {wall / 60:.1f} minutes ({len(ms)} steps), RSS each second",
-          ["process", "peak RSS", "RSS after warm-up (baseline)", "RSS at the end (measured)", "growth", "target"], rows)
+          ["process", "peak RSS", "RSS after warm-up (baseline)", "RSS at the end (measured)", "growth", "target"],
+          rows)
     plot("bench_memory", [("minutes", "RSS (MB)", lines)], "resident memory, configs/guess.py, 2 ranks")
 
 
@@ -357,50 +361,43 @@ def bench_engine():
     os.sched_setaffinity(0, range(os.cpu_count()))  # other sections of `all` ran on CPU 0, one thread
     torch.set_num_threads(args.threads or os.cpu_count())
     new, rows_max, repeats = (16, 64, 1) if args.quick else (128, 64, 3)  # new tokens per row; rows = engine slots
-    c = ModelConfig(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                    max_position_embeddings=256)
+    c = ModelConfig(vocab_size=384, num_experts=8, max_position_embeddings=256)  # else the defaults: the tiny preset
     ours = Transformer(c).init_weights(args.seed).eval()
     with tempfile.TemporaryDirectory() as d:
         ours.save_pretrained(d)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(0, c.vocab_size, (int(torch.randint(16, 33, (1,), generator=g)),), generator=g).tolist()
+    prompts = [torch.randint(0, c.vocab_size, (int(torch.randint(16, 33, (1,), generator=g)),), generator=g)
                for _ in range(rows_max)]  # 16..32 tokens
+    pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True, padding_side="left")
 
     def engine(ps):  # every request at once from concurrent coroutines, as agents send them
-        e = rollout.TorchEngine(ours, slots=rows_max, max_len=32 + new, temperature=1.0, max_new_tokens=new, seed=args.seed)
-
-        async def main():
-            loop = asyncio.create_task(e.run())
-            outs = await asyncio.gather(*(e.generate(p) for p in ps))
-            loop.cancel()
-            return outs
-        assert all(len(o.ids) == len(o.logprobs) == new and o.routing is not None for o in asyncio.run(main()))
+        e = rollout.TorchEngine(ours, slots=rows_max, max_len=32 + new, max_new_tokens=new, seed=args.seed)
+        outs = serve(e, [e.generate(p.tolist()) for p in ps])
+        assert all(len(o.ids) == len(o.logprobs) == new and o.routing is not None for o in outs)
 
     def generate(ps):  # one left-padded batch; min_new_tokens pins the length (there is no eos anyway)
-        T = max(map(len, ps))
-        ids, mask = torch.zeros(len(ps), T, dtype=torch.long), torch.zeros(len(ps), T, dtype=torch.long)
-        for b, p in enumerate(ps):
-            ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p), 1
+        ids, mask = pad(ps), pad([torch.ones_like(p) for p in ps])
         torch.manual_seed(args.seed)
         out = hf.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, min_new_tokens=new, top_k=0,
                           top_p=1.0, pad_token_id=0)
-        assert out.shape[1] == T + new
+        assert out.shape[1] == ids.shape[1] + new
     rows = []
     for setting, n in (("engine vs HF generate", rows_max), ("concurrent agents", 1), ("concurrent agents", 8)):
         t = timed({"engine": lambda: engine(prompts[:n]), "hf": lambda: generate(prompts[:n])}, repeats)
         rows.append((setting, f"{n} {'prompts' if n == rows_max else 'concurrent'}", f"{n * new / t['engine'][0]:,.0f}",
                      f"{n * new / t['hf'][0]:,.0f}", f"{t['hf'][0] / t['engine'][0]:.2f}x",
                      f"{t['hf'][1] / t['engine'][1]:.2f}x"))
-    table(f"tiny MoE ({sum(p.numel() for p in ours.parameters()) / 1e6:.2f}M params, 8 experts top-2), prompts 16..32 "
-          f"tokens, {new} new tokens/row at temperature 1, median of {repeats}, torch threads {torch.get_num_threads()}",
+    table(f"tiny MoE ({sum(p.numel() for p in ours.parameters()) / 1e6:.2f}M params, 8 experts top-2), prompts "
+          f"16..32 tokens, {new} new tokens/row at temperature 1, median of {repeats}, torch threads "
+          f"{torch.get_num_threads()}",
           ["section", "setting", "engine tok/s (measured)", "HF generate tok/s (baseline)", "ratio", "ratio, CPU time"],
           rows)
 
 
 BENCHES = {"engine": bench_engine, "overlap": bench_overlap, "parity": bench_parity, "trainer": bench_trainer,
-           "flops": bench_flops, "moe": bench_moe, "publish": bench_publish, "scale": bench_scale, "memory": bench_memory}
+           "flops": bench_flops, "moe": bench_moe, "publish": bench_publish, "scale": bench_scale,
+           "memory": bench_memory}
 ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio for each README number")
 ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")
 ap.add_argument("--quick", action="store_true", help="a smoke run: fewer tokens, steps, calls and repeats")
