@@ -180,8 +180,9 @@ class TorchEngine:
         slots = torch.tensor([r.slot for r in rows])  # (B,)
         images = [r.images for r in rows if r.images is not None] if prefill else []
         last = torch.arange(T) == (lens - 1)[:, None]  # (B, T): each row's last token
-        out, routing = self.model(ids, positions=pos.to(dev), cache=self.cache, slots=slots.to(dev), return_routing=True,
-                                  images=torch.cat(images) if images else None, logits_at=last.to(dev) & logits)
+        out, routing = self.model(ids, positions=pos.to(dev), cache=self.cache, slots=slots.to(dev),
+                                  return_routing=True, images=torch.cat(images) if images else None,
+                                  logits_at=last.to(dev) & logits)
         for r, n, s in zip(rows, lens.tolist(), start):
             r.fed = s + n
         if routing is not None:  # routing (n_moe, B, T, k) -> the slots' records, at the rows' real positions
@@ -360,7 +361,8 @@ def episode_to_msg(ep, index, group, record):
     return {"ids": torch.tensor(ep.ids), "loss_mask": torch.tensor(ep.loss_mask), "versions": torch.tensor(versions),
             "logprobs": torch.tensor(logprobs, dtype=torch.float32), "routing": routing,  # (T, n_moe, k) or None
             "engine_ids": engine_ids, "images": torch.stack(ep.images).float() if ep.images else None,  # (N, C, H, W)
-            "reward": float(ep.reward), "group": group, "index": index, "info": {k: float(v) for k, v in ep.info.items()}}
+            "reward": float(ep.reward), "group": group, "index": index,
+            "info": {k: float(v) for k, v in ep.info.items()}}
 
 
 PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids", "images")  # tensors, length first
@@ -401,7 +403,8 @@ def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_i
         # not asyncio.run: on an error its cleanup cancels every task at once, and a tool subprocess cancelled
         # that way (CPython 3.11) never finishes, so the process would hang instead of exiting below
         asyncio.new_event_loop().run_until_complete(
-            _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers, counts))
+            _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers,
+                     counts))
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
@@ -557,7 +560,8 @@ class Rollout:
     """The trainer's handle on the rollout process (and on the inference servers it started)."""
 
     def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None):
-        self.proc, self.q, self.shared, self.version, self.lock, self.dropped = proc, out_q, shared, version, lock, dropped
+        self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
+        self.dropped = dropped
         self.servers, self.write = servers, write  # [(server process, log path)]; the weight writer of server engines
 
     def get(self, timeout=1.0):

@@ -149,8 +149,8 @@ def collate(msgs, device):
     b = {"ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T),
          "versions": torch.full((B, T), -1), "rollout_logp": torch.zeros(B, T), "routing": None}
     for i, m in enumerate(msgs):
-        for k, src in (("ids", "ids"), ("loss_mask", "loss_mask"), ("versions", "versions"), ("rollout_logp", "logprobs")):
-            b[k][i, :len(m["ids"])] = m[src]
+        for k in ("ids", "loss_mask", "versions", "rollout_logp"):
+            b[k][i, :len(m["ids"])] = m["logprobs" if k == "rollout_logp" else k]
     if msgs[0]["routing"] is not None:
         r0 = msgs[0]["routing"]
         b["routing"] = torch.full((r0.shape[1], B, T, r0.shape[2]), -1, dtype=torch.int16)
@@ -248,13 +248,13 @@ def micro_loss(model, b, cfg, counts, adv, world):
     aux = model.aux_loss * n_real / max(counts[1], 1) if model.aux_loss is not None else torch.zeros(())
     n_tok = mask.sum()
     flips = model.flips if model.flips is not None else torch.zeros(2)
-    m = torch.stack([loss.detach(), clip_frac * n_tok, corr_frac * n_tok, ent.detach().sum(), (kl.detach() * mask).sum(),
-                     aux.detach(), gap.to(loss.device), *flips.to(loss.device)])
+    m = torch.stack([loss.detach(), clip_frac * n_tok, corr_frac * n_tok, ent.detach().sum(),
+                     (kl.detach() * mask).sum(), aux.detach(), gap.to(loss.device), *flips.to(loss.device)])
     # FSDP averages gradients over ranks; the aggregation already divides by the update's counts
     return (loss + cfg.router_aux_coef * aux) * world, m, old
 
 
-LOSS_KEYS = ["loss", "clip", "corr", "entropy", "kl", "router_aux", "distill_gap", "flips", "flip_n"]  # summed over updates
+LOSS_KEYS = ["loss", "clip", "corr", "entropy", "kl", "router_aux", "distill_gap", "flips", "flip_n"]  # over updates
 CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum"]  # counted once per step
 
 
@@ -274,7 +274,7 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
     """This rank's share of a step: recompute, then ppo_epochs x mini-batch updates. share: from make_shares.
     -> (this rank's summed metrics, LOSS_KEYS + CONSISTENCY_KEYS + histogram; max staleness; gradient norms)"""
     device = next(model.parameters()).device
-    batches = [[(collate([m for m, _ in mb] or [EMPTY], device), torch.tensor([a for _, a in mb] or [0.0], device=device))
+    batches = [[(collate([m for m, _ in mb] or [EMPTY], device), torch.tensor([a for _, a in mb] or [0.0]).to(device))
                 for mb in mini] for mini in share["mini_batches"]]
     several = cfg.ppo_epochs * len(batches) > 1
     with torch.no_grad():  # ---- recompute: what the batch is scored against, before any update ----
@@ -352,7 +352,7 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
             rollout.save_tokenizer(tokenizer_dir, tmp)  # the tokenizer travels with the weights
             torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state}, os.path.join(tmp, "trainer.pt"))
         except OSError as e:
-            raise RuntimeError(f"checkpoint write failed at step {state['step']} ({e}); {final} is left as it was") from e
+            raise RuntimeError(f"checkpoint write failed at step {state['step']} ({e}); {final} is as it was") from e
         # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -461,7 +461,7 @@ def replayed(cfg, step):
     """The batch a run with rollout_dump=true trained at this step, instead of generating one."""
     path = os.path.join(cfg.replay, f"step_{step + 1}.pt")
     if not os.path.isfile(path):
-        raise RuntimeError(f"replay: {path} is missing (a dump of {cfg.replay} holds {len(os.listdir(cfg.replay))} steps)")
+        raise RuntimeError(f"replay: {path} is missing ({cfg.replay} holds {len(os.listdir(cfg.replay))} steps)")
     return torch.load(path, weights_only=False), 0.0
 
 
@@ -495,7 +495,8 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     state = load_trainer_state(ckpt, model, opt, fsdp)
     step, data_position = state["step"], state["data_position"]
-    counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0) | state.get("counters", {})
+    counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
+    counters |= state.get("counters", {})
     logger = Logger(cfg, rank, step)
     weights = full_state(model, fsdp)
     ro = tokenizer = stats = None
@@ -539,8 +540,8 @@ def main(argv=None):
                 break
             if rank == 0:  # (on-policy distillation: GRPO's advantage of the task reward, weighted, plus the teacher's)
                 opd = cfg.advantage == "opd"
-                adv = est.ADVANTAGES["grpo" if opd else cfg.advantage](
-                    rewards=torch.tensor([m["reward"] for m in msgs]), group_ids=torch.tensor([m["group"] for m in msgs]))
+                rewards, groups = torch.tensor([m["reward"] for m in msgs]), torch.tensor([m["group"] for m in msgs])
+                adv = est.ADVANTAGES["grpo" if opd else cfg.advantage](rewards=rewards, group_ids=groups)
                 adv = adv * cfg.opd_reward_coef if opd else adv
                 shares = make_shares(msgs, adv.tolist(), world, cfg)
             if world > 1:
