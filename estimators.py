@@ -23,14 +23,12 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def _safe_exp(log_ratio: Tensor) -> Tensor:
-    # Clamp *before* exp: exp(100) is inf in fp32, and inf * 0 in the backward pass is NaN even when a
-    # later torch.where or mask would have thrown the value away.
+    # clamp *before* exp: exp(100) is inf in fp32, and inf * 0 in backward is NaN even where a mask drops it
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
 
 # ---- advantages: per-episode scalars from per-episode rewards ----
-# rewards: [N] float, group_ids: [N] any ints (one prompt's episodes share an id; sizes may differ).
-# The trainer broadcasts the [N] result over each episode's sampled tokens.
+# rewards, group_ids: [N] (a prompt's episodes share an int id; sizes vary) -> [N], spread over sampled tokens
 
 def _centre(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Reward minus its group mean, the group's unbiased std and the group's size, each [N]."""
@@ -61,17 +59,15 @@ def dr_grpo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 def rloo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     """RLOO, Kool et al. 2019 / Ahmadian et al. 2024 (https://arxiv.org/abs/2402.14740): r minus the mean of the
-    *other* episodes in the group (a baseline independent of the episode): n/(n-1) * (r - group mean);
-    a group of one gets 0."""
+    *other* episodes of its group (independent of the episode): n/(n-1) * (r - group mean); a group of one: 0."""
     dev, _, n = _centre(rewards, group_ids)
     return dev * n / (n - 1).clamp(min=1)
 
 
 def reinforce_pp(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     """REINFORCE++, Hu 2025 (https://arxiv.org/abs/2501.03262): rewards whitened across the whole batch
-    (batch mean and unbiased std), ignoring groups. group_ids is accepted for the shared signature."""
-    dev, std, _ = _centre(rewards, torch.zeros_like(group_ids))
-    return dev / (std + EPS)
+    (batch mean and unbiased std), ignoring groups: GRPO over one group. group_ids: for the shared signature."""
+    return grpo(rewards=rewards, group_ids=torch.zeros_like(group_ids))
 
 
 def reinforce_pp_baseline(*, rewards: Tensor, group_ids: Tensor) -> Tensor:

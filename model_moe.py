@@ -1,13 +1,11 @@
 """
 model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch that also runs
 Llama and Qwen2 checkpoints (no q/k norm; Qwen2's q/k/v biases; Llama 3 RoPE scaling), GGUF files included.
-- Names mirror Hugging Face's, so a checkpoint loads key for key; only experts convert: stacked here
-  ([E, out, in], for grouped matmuls), per expert on disk.
-- One forward serves training (full causal sequences) and generation (a KV cache, one slot per request, each
-  row at its own length): the engine and the trainer run the same code.
-- MoE routing can be captured ([n_moe_layers, B, T, top_k]) and replayed: replay fixes which experts run, the
-  router still gets gradient through the combine weights (arXiv:2510.11370, "routing replay").
-- Optional vision encoder (vision_layers > 0): image features replace <|image_pad|> placeholders, n_patches each.
+Names mirror Hugging Face's, so a checkpoint loads key for key; only experts convert (stacked [E, out, in] here,
+per expert on disk). One forward serves training and generation (a KV cache, one slot per request), so engine and
+trainer run the same code. MoE routing is captured and replayed ("routing replay", arXiv:2510.11370): replay fixes
+which experts run, the router still gets gradient through the combine weights. An optional vision encoder's
+features replace <|image_pad|> placeholders.
 """
 import json
 import math
@@ -137,8 +135,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        # RoPE, rotate-half as in the Qwen/Llama checkpoints: t * cos + cat(-t2, t1) * sin, written as
-        # (t2, t1) * (-sin, sin) (sin comes signed) so the halves swap with one flip of a view
+        # RoPE, rotate-half as in the checkpoints: t * cos + cat(-t2, t1) * sin; sin comes signed, so one flip swaps
         q, k = (t * cos + t.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin for t in (q, k))
         if cache is not None:  # write this call's keys at their positions, attend over the slot's history
             k, v = cache(k, v)
@@ -200,9 +197,8 @@ class MoE(nn.Module):
             self.aux_loss = E * (share * (probs * keep[:, None]).sum(0) / n).sum()
         order = flat.argsort(stable=True)  # grouped by expert
         if x.is_cpu and not torch.is_grad_enabled() and E * (C := int(counts.max())) < 2 * len(flat) + 16 * E:
-            # generation on CPU, few rows per expert: each expert's rows padded to C, three batched matmuls over
-            # (E, C, H), so three BLAS wake-ups per layer, not three per expert; not where padding to the busiest
-            # expert would much more than double the rows (a skewed long prefill). Training keeps grouped_mm.
+            # CPU generation, few rows per expert, padding at most ~doubles the rows: each expert's rows padded to C,
+            # three batched matmuls over (E, C, H): three BLAS wake-ups per layer, not three per expert
             rank = torch.empty_like(flat)  # of each pair among its expert's rows
             rank[order] = torch.arange(len(flat), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
             at = flat * C + rank  # (N*k,) row of each pair in the padded (E * C, H) layout
@@ -283,10 +279,9 @@ class VisionEncoder(nn.Module):
         self.proj_out = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
 
     def forward(self, images):
-        N, C, H, W = images.shape
         p = self.p
         x = images.unfold(2, p, p).unfold(3, p, p)  # (N, C, H/p, W/p, p, p)
-        x = x.permute(0, 2, 3, 1, 4, 5).reshape(N, (H // p) * (W // p), C * p * p)  # patches in raster order
+        x = x.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # (N, n_patches, C * p * p), in raster order
         x = self.patch_embed(x) + self.pos_embed  # (N, n_patches, D)
         for block in self.blocks:  # cos 1, sin 0: no rotation (positions are in pos_embed); mask None: see all
             x, _ = block(x, 1.0, 0.0, None)
@@ -362,9 +357,7 @@ class Transformer(nn.Module):
         self.aux_loss = sum(m.aux_loss for m in moe) / len(moe) if moe and moe[0].aux_loss is not None else None
         self.flips = sum(m.flips for m in moe) if moe and moe[0].flips is not None else None  # over the layers
         logits = self.lm_head(self.model.norm(x if logits_at is None else x[logits_at]))
-        if return_routing:
-            return logits, (torch.stack(routes) if routes else None)
-        return logits
+        return (logits, torch.stack(routes) if routes else None) if return_routing else logits
 
     # ---- Hugging Face checkpoints ----
     @classmethod
@@ -379,7 +372,13 @@ class Transformer(nn.Module):
             c = ModelConfig.from_hf(json.load(f), cfg_path)
         with torch.device("meta"):
             model = cls(c)
-        state = load_safetensors(path)
+        index, files = os.path.join(path, "model.safetensors.index.json"), ["model.safetensors"]
+        if os.path.isfile(index):  # a sharded checkpoint
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        state = {}
+        for name in files:  # a missing file raises FileNotFoundError, naming it
+            state.update(load_file(os.path.join(path, name)))
         expected = to_hf_state(model.state_dict(), c)
         missing = [k for k in expected if k not in state]
         extra = [k for k in state if k not in expected and not (k == "lm_head.weight" and c.tie_word_embeddings)]
@@ -419,20 +418,6 @@ def from_hf_state(hf, c: ModelConfig):
         for w in ("gate", "up", "down"):
             out[f"{pre}.w_{w}"] = torch.stack([hf[f"{pre}.experts.{e}.{w}_proj.weight"] for e in range(c.num_experts)])
     return out
-
-
-def load_safetensors(path):
-    index, files = os.path.join(path, "model.safetensors.index.json"), ["model.safetensors"]
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    state = {}
-    for name in files:
-        fp = os.path.join(path, name)
-        if not os.path.isfile(fp):
-            raise FileNotFoundError(f"{fp}: missing checkpoint file")
-        state.update(load_file(fp))
-    return state
 
 
 def save_pretrained(path, c: ModelConfig, sd, hf_config=None):
