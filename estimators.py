@@ -77,8 +77,7 @@ def reinforce_pp_baseline(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def batch_mean(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """Plain REINFORCE with a batch-mean baseline, for one sample per prompt (groups are singletons; Williams
-    1992). No std division. group_ids is accepted for the shared signature."""
+    """Plain REINFORCE (Williams 1992) with a batch-mean baseline, no std division, for one sample per prompt."""
     return _centre(rewards, torch.zeros_like(group_ids))[0]
 
 
@@ -87,8 +86,8 @@ ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": re
 
 
 # ---- policy losses: per-token loss [B, T] (zero where loss_mask is 0) and a clip fraction ----
-# logp: [B, T] current policy, with grad. old_logp: [B, T] the policy the batch is scored against (the trainer's
-# recompute before the first update), no grad. clip_frac: the fraction of sampled tokens clipped, detached.
+# logp [B, T]: the current policy, with grad; old_logp [B, T]: the policy the batch is scored against (the
+# trainer's recompute before the first update), no grad. clip_frac: the fraction of sampled tokens clipped.
 
 def _clipped_surrogate(ratio, advantages, loss_mask, clip_low, clip_high, dual_clip):
     """-min(r A, clip(r) A), with the dual-clip cap for A < 0 -> (masked loss [B, T], clip fraction)."""
@@ -117,10 +116,9 @@ def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor
 def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
          clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
     """GSPO, Zheng et al. 2025 (https://arxiv.org/abs/2507.18071): one ratio per sequence, s = exp(mean of log r
-    over its sampled tokens), length-normalised in log space, clipped as in ppo() (the paper: ~3e-4 / 4e-4).
-    In the paper's GSPO-token form every token gets the value s and the gradient s * grad logp_t, so under
-    seq_mean_token_mean the gradient is exactly GSPO's; a whole sequence clips together. Padding does not
-    enter the mean; loss is zeroed where loss_mask is 0."""
+    over its sampled tokens, padding excluded), clipped as in ppo() (the paper: ~3e-4 / 4e-4). In the GSPO-token
+    form every token gets the value s and the gradient s * grad logp_t, so under seq_mean_token_mean the gradient
+    is exactly GSPO's; a whole sequence clips together. Loss is zeroed where loss_mask is 0."""
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * loss_mask  # [B, T]
     seq_log_ratio = log_ratio.sum(-1) / loss_mask.sum(-1).clamp(min=1)  # [B]
     # value sg(s), gradient flows through each token's own logp; logp - logp.detach() is exactly 0
@@ -131,10 +129,9 @@ def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tenso
 def cispo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
           clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
     """CISPO, MiniMax-M1 2025 (https://arxiv.org/abs/2506.13585): loss = -sg(clip(r, 1 - clip_low, 1 + clip_high))
-    * A * logp. Clips the importance *weight*, not the update, so clipped tokens still get gradient (PPO drops
-    them, and with them the rare "fork" tokens). The paper has no lower bound, only an upper one: clip_low >= 1
-    reproduces that. clip_frac counts tokens outside either bound; dual_clip is ignored (the weight is bounded).
-    Only the gradient is meaningful, not the loss value. Loss zeroed where loss_mask is 0."""
+    * A * logp clips the importance *weight*, not the update: clipped tokens (PPO drops them, and the rare "fork"
+    tokens with them) still get gradient. The paper bounds only above: clip_low >= 1. clip_frac counts tokens out
+    of either bound; dual_clip is ignored (the weight is bounded). Only the gradient is meaningful; masked."""
     ratio = _safe_exp(logp - old_logp)  # [B, T]
     weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
     clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
@@ -145,8 +142,8 @@ POLICY_LOSSES = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
 
 
 # ---- train-vs-rollout correction: detached weights [B, T] on ratio pi_old / pi_rollout ----
-# The engine (bf16 kernels, other batching) samples from pi_rollout, not quite the trainer's pi_old (old_logp,
-# its recompute). The weight multiplies the per-token policy loss; frac: sampled tokens truncated or masked.
+# The engine (bf16 kernels, other batching) samples from pi_rollout, not quite the trainer's recompute pi_old;
+# the weight multiplies the per-token policy loss. frac: the sampled tokens it truncated or masked.
 
 def tis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
     """Truncated IS per token, min(ratio, high): Yao et al. 2025 (https://fengyao.notion.site/off-policy-rl),
@@ -214,16 +211,14 @@ def entropy(*, logits: Tensor) -> Tensor:
 
 
 # ---- aggregation: [B, T] per-token loss -> scalar ----
-# With gradient accumulation each micro-batch's loss carries its share of the *step*: pass the step-wide counts
-# (over all micro-batches and ranks) so the summed gradients equal the full batch's. Where data parallelism
-# averages gradients over ranks, the trainer multiplies the loss by the world size to undo that.
+# Micro-batches take the step-wide counts (over all micro-batches and ranks), so their gradients sum to the full
+# batch's. Where data parallelism averages gradients over ranks, the trainer multiplies the loss by world size.
 
 def token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
                num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
     """Sum over sampled tokens / num_tokens, the step's sampled-token count (this batch's if None). Every token
     weighs the same, so long sequences weigh more (DAPO, https://arxiv.org/abs/2503.14476)."""
-    denom = loss_mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    return (per_token * loss_mask).sum() / denom
+    return (per_token * loss_mask).sum() / (loss_mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
 
 
 def seq_mean_token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,

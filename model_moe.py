@@ -93,10 +93,9 @@ class ModelConfig:
         moe = self.num_experts > 0
         arch = "Qwen3MoeForCausalLM" if moe else next(a for a, f in ARCHITECTURES.items() if f == self.family)
         rope = {"rope_type": "llama3" if self.rope_scaling else "default", "rope_theta": self.rope_theta}
-        d.update(architectures=[arch], model_type="qwen3_moe" if moe else self.family, hidden_act="silu",
-                 rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
-                 num_local_experts=self.num_experts)
-        return d
+        return d | dict(architectures=[arch], model_type="qwen3_moe" if moe else self.family, hidden_act="silu",
+                        rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
+                        num_local_experts=self.num_experts)
 
 
 class RMSNorm(nn.Module):
@@ -167,8 +166,7 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x, replay=None, aux_mask=None):
-        """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: the tokens the load-balancing loss
-        counts (e.g. not padding nor prompt); all when None."""
+        """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: tokens aux_loss counts (None: all)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, H)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
@@ -183,7 +181,6 @@ class MoE(nn.Module):
             weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        # group the N*k (token, expert) pairs by expert
         E, H, k = len(self.w_gate), shape[-1], self.top_k
         flat = experts.flatten()  # (N*k,) in token order
         counts = torch.bincount(flat, minlength=E)
@@ -230,9 +227,8 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """One slot per request: k, v (L, S, nkv, max_len, hd). A row's token at position p is stored at
-    index p of its slot, so rows of different lengths share one batch and a freed slot is reused
-    without clearing (stale entries sit beyond the new occupant's positions and are masked)."""
+    """One slot per request: k, v (L, S, nkv, max_len, hd). A row's token at position p sits at index p of its slot:
+    rows of any lengths share a batch; a freed slot is reused uncleared (stale entries lie past the new positions)."""
 
     def __init__(self, c: ModelConfig, n_slots, max_len, dtype=torch.float32, device="cpu"):
         shape = (c.num_hidden_layers, n_slots, c.num_key_value_heads, max_len, c.head_dim)
@@ -261,10 +257,9 @@ class KVCache:
 
 
 class VisionEncoder(nn.Module):
-    """Images (N, C, H, W) in [0, 1] -> features (N, n_patches, hidden_size). A ViT in miniature
-    (arXiv:2010.11929): each patch is flattened and embedded by one linear map and gets a learned position;
-    pre-norm blocks (the decoder's own, dense) attend over all patches of an image, no causal mask; an MLP
-    projector maps into the decoder's width, as in LLaVA (arXiv:2304.08485)."""
+    """Images (N, C, H, W) in [0, 1] -> features (N, n_patches, hidden_size). A ViT in miniature (arXiv:2010.11929):
+    each patch flattened, embedded by one linear map, given a learned position; pre-norm blocks (the decoder's, dense)
+    attend over all of an image's patches; an MLP projector maps into the decoder's width (LLaVA, arXiv:2304.08485)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -320,8 +315,7 @@ class Transformer(nn.Module):
         aux_mask (B, T) bool: the positions the MoE load-balancing loss (self.aux_loss) counts."""
         c = self.config
         B, T = ids.shape
-        if positions is None:
-            positions = torch.arange(T, device=ids.device).expand(B, T)
+        positions = torch.arange(T, device=ids.device).expand(B, T) if positions is None else positions
         x = self.model.embed_tokens(ids) if embeds is None else embeds  # (B, T, C)
         if images is None and c.vision_layers and torch.is_grad_enabled():
             # under FSDP every rank's encoder joins backward, a rank without images too (its gradients: zeros)
@@ -363,8 +357,7 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
         """path: a Hugging Face directory, or a .gguf file (converted once, into convert_gguf's default out_dir)."""
-        if str(path).endswith(".gguf"):
-            path = convert_gguf(str(path))
+        path = convert_gguf(str(path)) if str(path).endswith(".gguf") else path
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
@@ -438,8 +431,8 @@ def convert_gguf(gguf_path, out_dir=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, name = os.path.split(os.path.abspath(gguf_path))
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # transformers marks the model quantized and refuses to save it; its config without the quantization, plus
-    # the architecture (a GGUF-derived config has none), is a plain checkpoint's (bos/eos ids kept)
+    # transformers refuses to save a model it marks quantized: its config minus the quantization, plus the
+    # architecture (a GGUF-derived config has none), is a plain checkpoint's, bos/eos ids kept
     d = {k: v for k, v in hf.config.to_dict().items() if k != "quantization_config"}
     d["architectures"] = [type(hf).__name__]
     c = ModelConfig.from_hf(d, gguf_path)  # an unsupported model fails here, before anything is written
