@@ -1,17 +1,14 @@
 """
-The math of the RL objective, and nothing else: tensors in, tensors out.
-
-Five families, each a set of sibling functions with one keyword-only signature, chosen by name
-from the dict beside them (ADVANTAGES, POLICY_LOSSES, CORRECTIONS, KL, AGGREGATIONS):
+The math of the RL objective, and nothing else: tensors in, tensors out. Five families of sibling functions,
+one keyword-only signature per family, chosen by name from the dict beside them:
 
     adv     = ADVANTAGES[name](rewards=..., group_ids=...)           # [N], one per episode
     loss, f = POLICY_LOSSES[name](logp=..., old_logp=..., ...)       # [B, T] per-token loss
     w, f    = CORRECTIONS[name](old_logp=..., rollout_logp=..., ...) # [B, T] detached weights
     loss    = AGGREGATIONS[name](per_token=w * loss + beta * KL[k](...), loss_mask=..., ...)
 
-Conventions: per-token tensors are [B, T] (B sequences, T positions); logp is the log-prob of the
-token actually sampled at each position. loss_mask is 1 on tokens the policy sampled and 0 on
-prompt, tool, environment and padding tokens; everything that is averaged is averaged over those.
+Per-token tensors are [B, T]; logp is the log-prob of the token sampled at each position. loss_mask is 1 on
+tokens the policy sampled, 0 on prompt, tool, environment and padding tokens; every average is over those.
 """
 import torch
 from torch import Tensor
@@ -26,14 +23,12 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def _safe_exp(log_ratio: Tensor) -> Tensor:
-    # Clamp *before* exp: exp(100) is inf in fp32, and inf * 0 in the backward pass is NaN even when a
-    # later torch.where or mask would have thrown the value away.
+    # clamp *before* exp: exp(100) is inf in fp32, and inf * 0 in backward is NaN even where a mask drops it
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
 
 # ---- advantages: per-episode scalars from per-episode rewards ----
-# rewards: [N] float, group_ids: [N] arbitrary ints (episodes of one prompt share an id; groups may
-# differ in size). The trainer broadcasts the [N] result over each episode's sampled tokens.
+# rewards, group_ids: [N] (a prompt's episodes share an int id; sizes vary) -> [N], spread over sampled tokens
 
 def _centre(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Reward minus its group mean, the group's unbiased std and the group's size, each [N]."""
@@ -63,18 +58,16 @@ def dr_grpo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def rloo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """RLOO, Kool et al. 2019 / Ahmadian et al. 2024 (https://arxiv.org/abs/2402.14740): r minus the
-    mean of the *other* episodes in the group, which keeps the baseline independent of the episode.
-    Equals n/(n-1) * (r - group mean); a group of one has no other episode and gets 0."""
+    """RLOO, Kool et al. 2019 / Ahmadian et al. 2024 (https://arxiv.org/abs/2402.14740): r minus the mean of the
+    *other* episodes of its group (independent of the episode): n/(n-1) * (r - group mean); a group of one: 0."""
     dev, _, n = _centre(rewards, group_ids)
     return dev * n / (n - 1).clamp(min=1)
 
 
 def reinforce_pp(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     """REINFORCE++, Hu 2025 (https://arxiv.org/abs/2501.03262): rewards whitened across the whole batch
-    (batch mean and unbiased std), ignoring groups. group_ids is accepted for the shared signature."""
-    dev, std, _ = _centre(rewards, torch.zeros_like(group_ids))
-    return dev / (std + EPS)
+    (batch mean and unbiased std), ignoring groups: GRPO over one group. group_ids: for the shared signature."""
+    return grpo(rewards=rewards, group_ids=torch.zeros_like(group_ids))
 
 
 def reinforce_pp_baseline(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
@@ -84,8 +77,7 @@ def reinforce_pp_baseline(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def batch_mean(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """Plain REINFORCE with a batch-mean baseline, for one sample per prompt where groups are
-    singletons (Williams 1992). No std division. group_ids is accepted for the shared signature."""
+    """Plain REINFORCE (Williams 1992) with a batch-mean baseline, no std division, for one sample per prompt."""
     return _centre(rewards, torch.zeros_like(group_ids))[0]
 
 
@@ -103,12 +95,11 @@ ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": re
 
 
 # ---- policy losses: per-token loss [B, T] (zero where loss_mask is 0) and a clip fraction ----
-# logp: [B, T] current policy, with grad. old_logp: [B, T] the policy that the batch is scored
-# against (the trainer's recompute before the first update), no grad. advantages: [B, T].
-# clip_frac is the fraction of sampled tokens whose ratio was clipped, as a detached scalar.
+# logp [B, T]: the current policy, with grad; old_logp [B, T]: the policy the batch is scored against (the
+# trainer's recompute before the first update), no grad. clip_frac: the fraction of sampled tokens clipped.
 
-def _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip):
-    """-min(r A, clip(r) A), with the dual-clip cap for A < 0. Returns loss [B, T], clipped [B, T] bool."""
+def _clipped_surrogate(ratio, advantages, loss_mask, clip_low, clip_high, dual_clip):
+    """-min(r A, clip(r) A), with the dual-clip cap for A < 0 -> (masked loss [B, T], clip fraction)."""
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
@@ -119,46 +110,37 @@ def _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip):
         dual = (advantages < 0) & (loss > cap)
         loss = torch.where(dual, cap, loss)  # both branches are finite, so where's backward is safe
         was_clipped = was_clipped | dual
-    return loss, was_clipped
+    return loss * loss_mask, _masked_mean(was_clipped, loss_mask)
 
 
 def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
         clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
-    """PPO clipped surrogate, Schulman et al. 2017 (https://arxiv.org/abs/1707.06347), per token.
-    Ratio r = pi/pi_old is clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's
-    clip-higher (https://arxiv.org/abs/2503.14476), which leaves room to raise rare tokens' probability.
-    dual_clip = c > 1 caps the loss of A < 0 tokens at -c A, Ye et al. 2020
-    (https://arxiv.org/abs/1912.09729). Masks: loss is zeroed where loss_mask is 0."""
-    ratio = _safe_exp(logp - old_logp)  # [B, T]
-    loss, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
-    return loss * loss_mask, _masked_mean(clipped, loss_mask)
+    """PPO clipped surrogate, Schulman et al. 2017 (https://arxiv.org/abs/1707.06347), per token: r = pi/pi_old
+    clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's clip-higher
+    (https://arxiv.org/abs/2503.14476), room to raise rare tokens' probability. dual_clip = c > 1 caps the loss
+    of A < 0 tokens at -c A, Ye et al. 2020 (https://arxiv.org/abs/1912.09729). Loss zeroed where loss_mask is 0."""
+    return _clipped_surrogate(_safe_exp(logp - old_logp), advantages, loss_mask, clip_low, clip_high, dual_clip)
 
 
 def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
          clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
-    """GSPO, Zheng et al. 2025 (https://arxiv.org/abs/2507.18071): one ratio per sequence,
-    s = exp(mean of log r over the sequence's sampled tokens), i.e. length-normalised in log space,
-    clipped as in ppo() (the paper uses tiny clip ranges, ~3e-4 / 4e-4). Written as the paper's
-    GSPO-token form: every token gets the value s and the gradient s * grad logp_t, so under
-    seq_mean_token_mean aggregation the gradient is exactly GSPO's; a whole sequence clips together.
-    Masks: padding does not enter the mean, and loss is zeroed where loss_mask is 0."""
+    """GSPO, Zheng et al. 2025 (https://arxiv.org/abs/2507.18071): one ratio per sequence, s = exp(mean of log r
+    over its sampled tokens, padding excluded), clipped as in ppo() (the paper: ~3e-4 / 4e-4). In the GSPO-token
+    form every token gets the value s and the gradient s * grad logp_t, so under seq_mean_token_mean the gradient
+    is exactly GSPO's; a whole sequence clips together. Loss is zeroed where loss_mask is 0."""
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * loss_mask  # [B, T]
     seq_log_ratio = log_ratio.sum(-1) / loss_mask.sum(-1).clamp(min=1)  # [B]
     # value sg(s), gradient flows through each token's own logp; logp - logp.detach() is exactly 0
     ratio = _safe_exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())  # [B, T]
-    loss, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
-    return loss * loss_mask, _masked_mean(clipped, loss_mask)
+    return _clipped_surrogate(ratio, advantages, loss_mask, clip_low, clip_high, dual_clip)
 
 
 def cispo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
           clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
-    """CISPO, MiniMax-M1 2025 (https://arxiv.org/abs/2506.13585):
-    loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp.
-    Clips the importance *weight*, not the update, so clipped tokens still get gradient (PPO drops them,
-    and with them the rare "fork" tokens). The paper sets no lower bound and tunes only the upper one:
-    pass clip_low >= 1 to reproduce that. clip_frac counts tokens outside either bound. dual_clip is
-    ignored (the weight is already bounded). Only the gradient is meaningful, not the loss value.
-    Masks: loss is zeroed where loss_mask is 0."""
+    """CISPO, MiniMax-M1 2025 (https://arxiv.org/abs/2506.13585): loss = -sg(clip(r, 1 - clip_low, 1 + clip_high))
+    * A * logp clips the importance *weight*, not the update: clipped tokens (PPO drops them, and the rare "fork"
+    tokens with them) still get gradient. The paper bounds only above: clip_low >= 1. clip_frac counts tokens out
+    of either bound; dual_clip is ignored (the weight is bounded). Only the gradient is meaningful; masked."""
     ratio = _safe_exp(logp - old_logp)  # [B, T]
     weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
     clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
@@ -169,9 +151,8 @@ POLICY_LOSSES = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
 
 
 # ---- train-vs-rollout correction: detached weights [B, T] on ratio pi_old / pi_rollout ----
-# The engine (bf16 kernels, other batching) samples from pi_rollout, which is not quite the trainer's
-# pi_old. old_logp is the trainer's recompute, rollout_logp the engine's. The weight multiplies the
-# per-token policy loss; frac is the fraction of sampled tokens it truncated or masked.
+# The engine (bf16 kernels, other batching) samples from pi_rollout, not quite the trainer's recompute pi_old;
+# the weight multiplies the per-token policy loss. frac: the sampled tokens it truncated or masked.
 
 def tis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
     """Truncated IS per token, min(ratio, high): Yao et al. 2025 (https://fengyao.notion.site/off-policy-rl),
@@ -189,10 +170,10 @@ def mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float
 
 
 def seq_mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
-    """Sequence-level masked IS on the geometric-mean ratio exp(mean log ratio over sampled tokens):
-    keep or drop whole sequences. Liu, Li et al. 2025 "When Speed Kills Stability"
-    (https://richardli.xyz/post/rl-collapse-training-inference). The geometric mean, unlike the
-    product, does not make long sequences fail by length alone. frac counts sampled tokens dropped."""
+    """Sequence-level masked IS, Liu, Li et al. 2025 "When Speed Kills Stability"
+    (https://richardli.xyz/post/rl-collapse-training-inference): keeps or drops whole sequences on the geometric-
+    mean ratio exp(mean log ratio over sampled tokens), which unlike the product does not fail long sequences by
+    length alone. frac counts sampled tokens dropped."""
     log_ratio = (old_logp - rollout_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * loss_mask
     seq_ratio = _safe_exp(log_ratio.sum(-1) / loss_mask.sum(-1).clamp(min=1))  # [B]
     keep = ((seq_ratio >= low) & (seq_ratio <= high))[:, None].expand_as(old_logp)  # [B, T]
@@ -208,10 +189,9 @@ CORRECTIONS = {"tis": tis, "mis": mis, "seq_mis": seq_mis, "none": none}
 
 
 # ---- KL to a reference policy, per token [B, T], from sampled tokens only ----
-# Schulman's estimators (http://joschu.net/blog/kl-approx.html) with r = ref_logp - logp. As *values*
-# each estimates KL(pi || ref). As *loss terms* (gradient through logp) they differ, per Tang & Munos
-# 2025 (https://arxiv.org/abs/2506.09477): k1's expected gradient is 0, k2's is grad KL(pi || ref),
-# k3's (GRPO's choice) is grad KL(ref || pi). Unmasked: the aggregation applies loss_mask.
+# Schulman's estimators (http://joschu.net/blog/kl-approx.html), r = ref_logp - logp. As *values* each estimates
+# KL(pi || ref); as *loss terms* they differ (Tang & Munos 2025, https://arxiv.org/abs/2506.09477): k1's expected
+# gradient is 0, k2's grad KL(pi || ref), k3's (GRPO's) grad KL(ref || pi). Unmasked: aggregation masks.
 
 def kl_k1(*, logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k1 = -r = logp - ref_logp. Unbiased, but negative half the time."""
@@ -240,17 +220,14 @@ def entropy(*, logits: Tensor) -> Tensor:
 
 
 # ---- aggregation: [B, T] per-token loss -> scalar ----
-# With gradient accumulation, each micro-batch's loss must carry its share of the *step*: pass the
-# step-wide counts (summed over all micro-batches and ranks) so the summed gradients equal the
-# full-batch gradient. If the data-parallel backend averages gradients over ranks, the trainer
-# multiplies the loss by the world size to undo that average.
+# Micro-batches take the step-wide counts (over all micro-batches and ranks), so their gradients sum to the full
+# batch's. Where data parallelism averages gradients over ranks, the trainer multiplies the loss by world size.
 
 def token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
                num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
-    """Sum over sampled tokens / num_tokens, the step's sampled-token count (this batch's if None).
-    Every token weighs the same, so long sequences weigh more (DAPO, https://arxiv.org/abs/2503.14476)."""
-    denom = loss_mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    return (per_token * loss_mask).sum() / denom
+    """Sum over sampled tokens / num_tokens, the step's sampled-token count (this batch's if None). Every token
+    weighs the same, so long sequences weigh more (DAPO, https://arxiv.org/abs/2503.14476)."""
+    return (per_token * loss_mask).sum() / (loss_mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
 
 
 def seq_mean_token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
@@ -264,16 +241,14 @@ def seq_mean_token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: flo
 def seq_mean_token_sum(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
                        num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
     """Sum over each sequence's sampled tokens, then sum / num_seqs (this batch's B if None)."""
-    per_seq = (per_token * loss_mask).sum(-1)  # [B]
-    return per_seq.sum() / (per_token.shape[0] if num_seqs is None else num_seqs)
+    return seq_mean_token_sum_norm(per_token=per_token, loss_mask=loss_mask, num_seqs=num_seqs, norm_const=1)
 
 
 def seq_mean_token_sum_norm(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
                             num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
-    """Sum over each sequence's sampled tokens / norm_const, then sum / num_seqs (B if None).
-    Dr. GRPO (https://arxiv.org/abs/2503.20783): a constant instead of each length removes the length
-    bias. norm_const defaults to T, this batch's padded length; pass the max generation length so the
-    constant is the same in every micro-batch."""
+    """Sum over each sequence's sampled tokens / norm_const, then sum / num_seqs (B if None). Dr. GRPO
+    (https://arxiv.org/abs/2503.20783): a constant instead of each length removes the length bias. norm_const
+    defaults to T, this batch's padded length; pass the max generation length to keep it across micro-batches."""
     per_seq = (per_token * loss_mask).sum(-1) / (per_token.shape[-1] if norm_const is None else norm_const)
     return per_seq.sum() / (per_token.shape[0] if num_seqs is None else num_seqs)
 

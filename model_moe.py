@@ -1,25 +1,22 @@
 """
 model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch that also runs
 Llama and Qwen2 checkpoints (no q/k norm; Qwen2's q/k/v biases; Llama 3 RoPE scaling), GGUF files included.
-
-- Module and parameter names mirror Hugging Face's, so a checkpoint loads with a key-for-key copy; the only
-  conversion is experts, stored stacked here ([E, out, in], grouped matmuls) and per-expert on disk.
-- One forward serves training (full causal sequences) and generation (a KV cache with one slot per
-  request, each row at its own length), so the engine and the trainer run the same code.
-- MoE routing can be captured ([n_moe_layers, B, T, top_k]) and replayed: replay fixes which experts
-  run, the router still gets gradient through the combine weights (arXiv:2510.11370, "routing replay").
-- Optional vision encoder (vision_layers > 0): image features replace <|image_pad|> placeholders, n_patches each.
+Names mirror Hugging Face's, so a checkpoint loads key for key; only experts convert (stacked [E, out, in] here,
+per expert on disk). One forward serves training and generation (a KV cache, one slot per request), so engine and
+trainer run the same code. MoE routing is captured and replayed ("routing replay", arXiv:2510.11370): replay fixes
+which experts run, the router still gets gradient through the combine weights. An optional vision encoder's
+features replace <|image_pad|> placeholders.
 """
-import math
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                  "Qwen2ForCausalLM": "qwen2"}  # -> family
@@ -96,10 +93,9 @@ class ModelConfig:
         moe = self.num_experts > 0
         arch = "Qwen3MoeForCausalLM" if moe else next(a for a, f in ARCHITECTURES.items() if f == self.family)
         rope = {"rope_type": "llama3" if self.rope_scaling else "default", "rope_theta": self.rope_theta}
-        d.update(architectures=[arch], model_type="qwen3_moe" if moe else self.family, hidden_act="silu",
-                 rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
-                 num_local_experts=self.num_experts)
-        return d
+        return d | dict(architectures=[arch], model_type="qwen3_moe" if moe else self.family, hidden_act="silu",
+                        rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
+                        num_local_experts=self.num_experts)
 
 
 class RMSNorm(nn.Module):
@@ -122,11 +118,6 @@ def inv_freq(c: ModelConfig, device):
     return f
 
 
-def rope(x, cos, sin):  # x (B, H, T, D); rotate-half convention of the Qwen/Llama checkpoints: x * cos +
-    # cat(-x2, x1) * sin, as (x2, x1) * (-sin, sin) (sin comes signed): the halves swap with one flip of a view
-    return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -143,7 +134,8 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        # RoPE, rotate-half as in the checkpoints: t * cos + cat(-t2, t1) * sin; sin comes signed, so one flip swaps
+        q, k = (t * cos + t.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin for t in (q, k))
         if cache is not None:  # write this call's keys at their positions, attend over the slot's history
             k, v = cache(k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
@@ -174,8 +166,7 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x, replay=None, aux_mask=None):
-        """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: the tokens the load-balancing loss
-        counts (e.g. not padding nor prompt); all when None."""
+        """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: tokens aux_loss counts (None: all)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, H)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
@@ -190,7 +181,6 @@ class MoE(nn.Module):
             weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        # group the N*k (token, expert) pairs by expert
         E, H, k = len(self.w_gate), shape[-1], self.top_k
         flat = experts.flatten()  # (N*k,) in token order
         counts = torch.bincount(flat, minlength=E)
@@ -204,11 +194,8 @@ class MoE(nn.Module):
             self.aux_loss = E * (share * (probs * keep[:, None]).sum(0) / n).sum()
         order = flat.argsort(stable=True)  # grouped by expert
         if x.is_cpu and not torch.is_grad_enabled() and E * (C := int(counts.max())) < 2 * len(flat) + 16 * E:
-            # generation on CPU, few rows per expert: pad each expert's rows to C, three batched matmuls over
-            # (E, C, H). Each matmul may wake the BLAS threads: three wake-ups per layer, not three per expert.
-            # Not when padding to the busiest expert would much more than double the rows (a long prefill
-            # whose routing is skewed: that made the guess rollout's matmuls half padding, ~35% of its time).
-            # (Training keeps grouped_mm: no padded activations saved for backward, no host sync on GPU.)
+            # CPU generation, few rows per expert, padding at most ~doubles the rows: each expert's rows padded to C,
+            # three batched matmuls over (E, C, H): three BLAS wake-ups per layer, not three per expert
             rank = torch.empty_like(flat)  # of each pair among its expert's rows
             rank[order] = torch.arange(len(flat), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
             at = flat * C + rank  # (N*k,) row of each pair in the padded (E * C, H) layout
@@ -235,51 +222,44 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, mask, cache=None, replay=None, aux_mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, MoE):
-            h, experts = self.mlp(h, replay, aux_mask)
-            return x + h, experts
-        return x + self.mlp(h), None
+        h, experts = self.mlp(h, replay, aux_mask) if isinstance(self.mlp, MoE) else (self.mlp(h), None)
+        return x + h, experts
 
 
 class KVCache:
-    """One slot per request: k, v (L, S, nkv, max_len, hd). A row's token at position p is stored at
-    index p of its slot, so rows of different lengths share one batch and a freed slot is reused
-    without clearing (stale entries sit beyond the new occupant's positions and are masked)."""
+    """One slot per request: k, v (L, S, nkv, max_len, hd). A row's token at position p sits at index p of its slot:
+    rows of any lengths share a batch; a freed slot is reused uncleared (stale entries lie past the new positions)."""
 
     def __init__(self, c: ModelConfig, n_slots, max_len, dtype=torch.float32, device="cpu"):
         shape = (c.num_hidden_layers, n_slots, c.num_key_value_heads, max_len, c.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
 
     def bind(self, slots, positions):
-        """For one forward of rows in slots (B,) at positions (B, T): -> n_keys and, per layer i, kv(i): a
-        function (k, v) (B, nkv, T, hd) -> the slots' keys and values (B, nkv, n_keys, hd), these written in."""
+        """For one forward of rows in slots (B,) at positions (B, T): -> n_keys and update(i, k, v), which writes
+        layer i's k, v (B, nkv, T, hd) in and returns the slots' keys and values (B, nkv, n_keys, hd)."""
         nkv, L, hd = self.k.shape[2:]
         n_keys, B, first = int(positions.max()) + 1, len(slots), int(slots[0])
         # row of each (slot, head, position) in a layer's (S * nkv * max_len, hd) view: a write is one
-        # index_copy_, its index computed once for all layers (advanced indexing per layer was ~4% of a decode step)
+        # index_copy_, its index computed once for all layers (not advanced indexing in each layer)
         heads = torch.arange(nkv, device=slots.device)[:, None]
         at = ((slots[:, None, None] * nkv + heads) * L + positions[:, None]).flatten()  # (B * nkv * T,)
         # slots first, first+1, ... (the engine's rows when all slots are busy): read them as a view, no copy
         in_order = torch.equal(slots, torch.arange(first, first + B, device=slots.device))
 
-        def kv(i):
-            def update(k, v):
-                out = []
-                for cache, new in ((self.k[i], k), (self.v[i], v)):
-                    cache.view(-1, hd).index_copy_(0, at, new.reshape(-1, hd))
-                    keys = cache.narrow(2, 0, n_keys)
-                    out.append(keys.narrow(0, first, B) if in_order else keys.index_select(0, slots))
-                return out
-            return update
-        return n_keys, kv
+        def update(i, k, v):
+            out = []
+            for cache, new in ((self.k[i], k), (self.v[i], v)):
+                cache.view(-1, hd).index_copy_(0, at, new.reshape(-1, hd))
+                keys = cache.narrow(2, 0, n_keys)
+                out.append(keys.narrow(0, first, B) if in_order else keys.index_select(0, slots))
+            return out
+        return n_keys, update
 
 
 class VisionEncoder(nn.Module):
-    """Images (N, C, H, W) in [0, 1] -> features (N, n_patches, hidden_size). A ViT in miniature
-    (arXiv:2010.11929): each patch is flattened and embedded by one linear map and gets a learned position;
-    pre-norm blocks (the decoder's own, dense) attend over all patches of an image, no causal mask; an MLP
-    projector maps into the decoder's width, as in LLaVA (arXiv:2304.08485)."""
+    """Images (N, C, H, W) in [0, 1] -> features (N, n_patches, hidden_size). A ViT in miniature (arXiv:2010.11929):
+    each patch flattened, embedded by one linear map, given a learned position; pre-norm blocks (the decoder's, dense)
+    attend over all of an image's patches; an MLP projector maps into the decoder's width (LLaVA, arXiv:2304.08485)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -294,10 +274,9 @@ class VisionEncoder(nn.Module):
         self.proj_out = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
 
     def forward(self, images):
-        N, C, H, W = images.shape
         p = self.p
         x = images.unfold(2, p, p).unfold(3, p, p)  # (N, C, H/p, W/p, p, p)
-        x = x.permute(0, 2, 3, 1, 4, 5).reshape(N, (H // p) * (W // p), C * p * p)  # patches in raster order
+        x = x.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # (N, n_patches, C * p * p), in raster order
         x = self.patch_embed(x) + self.pos_embed  # (N, n_patches, D)
         for block in self.blocks:  # cos 1, sin 0: no rotation (positions are in pos_embed); mask None: see all
             x, _ = block(x, 1.0, 0.0, None)
@@ -328,24 +307,28 @@ class Transformer(nn.Module):
     def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,
                 return_routing=False, embeds=None, images=None, logits_at=None, aux_mask=None):
         """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)].
-        positions (B, T): rotary positions, default 0..T-1. pad_mask (B, T) bool: False on padding
-        keys (left or right padding). cache/slots: KVCache and the slot of each row (B,); the tokens
-        are written at their positions and attend to everything at or before them in their slot.
-        routing: experts to replay. embeds (B, T, C): input embeddings to use instead of ids.
-        images (N, C, H, W) float: the batch's images in row-major order of their placeholders; image i's
-        features replace the embeddings of placeholders i * n_patches .. (i + 1) * n_patches - 1.
+        positions (B, T): rotary positions, default 0..T-1. pad_mask (B, T) bool: False on (left or right) padding.
+        cache/slots: KVCache and each row's slot (B,); tokens are written at their positions and attend to all at
+        or before them in their slot. routing: experts to replay. embeds (B, T, C): used instead of ids' embeddings.
+        images (N, C, H, W) float: the batch's images, in row-major order of their placeholders (n_patches each).
         logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them).
         aux_mask (B, T) bool: the positions the MoE load-balancing loss (self.aux_loss) counts."""
         c = self.config
         B, T = ids.shape
-        if positions is None:
-            positions = torch.arange(T, device=ids.device).expand(B, T)
+        positions = torch.arange(T, device=ids.device).expand(B, T) if positions is None else positions
         x = self.model.embed_tokens(ids) if embeds is None else embeds  # (B, T, C)
         if images is None and c.vision_layers and torch.is_grad_enabled():
             # under FSDP every rank's encoder joins backward, a rank without images too (its gradients: zeros)
             images = x.new_zeros(0, c.image_channels, c.image_size, c.image_size)
-        if images is not None:
-            x = self.splice_images(ids, x, images)
+        if images is not None:  # image i's features replace placeholders i * n_patches .. (i + 1) * n_patches - 1
+            if not c.vision_layers:
+                raise ValueError("images given, but this model has no vision encoder (vision_layers=0)")
+            at = ids == c.image_token_id  # (B, T)
+            if (n := int(at.sum())) != len(images) * c.n_patches:
+                raise ValueError(f"{n} image placeholders (token id {c.image_token_id}) for {len(images)} images "
+                                 f"of {c.n_patches} patches each")
+            feats = self.visual(images.to(x.dtype)).reshape(-1, x.shape[-1])  # (N * n_patches, C)
+            x = x.masked_scatter(at[..., None], feats)  # fills the True positions in row-major order
         freqs = positions[:, None, :, None].float() * inv_freq(c, ids.device)  # (B, 1, T, hd/2)
         cos, sin = freqs.cos(), freqs.sin()
         cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)  # (B, 1, T, hd)
@@ -354,46 +337,27 @@ class Transformer(nn.Module):
             mask = torch.zeros(B, T, n_keys, dtype=x.dtype, device=ids.device).masked_fill_(  # (B, T, n_keys)
                 torch.arange(n_keys, device=ids.device) > positions[..., None], -torch.inf)  # additive
         else:
-            n_keys = T
             mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril().expand(B, T, T)
             if pad_mask is not None:  # padding keys are invisible; a token always sees itself (no empty rows)
                 mask = (mask & pad_mask[:, None, :].bool()) | torch.eye(T, dtype=torch.bool, device=ids.device)
         mask = mask[:, None]  # (B, 1, T, n_keys)
-        routes, j = [], 0
+        routes = []  # each MoE layer's experts (B, T, top_k); routing[len(routes)] is the next MoE layer's
         for i, layer in enumerate(self.model.layers):
-            replay = None
-            if routing is not None and isinstance(layer.mlp, MoE):
-                replay, j = routing[j], j + 1
-            x, experts = layer(x, cos, sin, mask, kv(i) if cache is not None else None, replay, aux_mask)
+            replay = routing[len(routes)] if routing is not None and isinstance(layer.mlp, MoE) else None
+            x, experts = layer(x, cos, sin, mask, partial(kv, i) if cache is not None else None, replay, aux_mask)
             if experts is not None:
                 routes.append(experts)
         moe = [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
         self.aux_loss = sum(m.aux_loss for m in moe) / len(moe) if moe and moe[0].aux_loss is not None else None
         self.flips = sum(m.flips for m in moe) if moe and moe[0].flips is not None else None  # over the layers
         logits = self.lm_head(self.model.norm(x if logits_at is None else x[logits_at]))
-        if return_routing:
-            return logits, (torch.stack(routes) if routes else None)
-        return logits
-
-    def splice_images(self, ids, x, images):
-        """x (B, T, C) with the features of images (N, C_img, H, W) in place of the image placeholders of ids."""
-        c = self.config
-        if not c.vision_layers:
-            raise ValueError("images given, but this model has no vision encoder (vision_layers=0)")
-        at = ids == c.image_token_id  # (B, T)
-        n = int(at.sum())
-        if n != len(images) * c.n_patches:
-            raise ValueError(f"{n} image placeholders (token id {c.image_token_id}) for {len(images)} images "
-                             f"of {c.n_patches} patches each")
-        feats = self.visual(images.to(x.dtype)).reshape(-1, x.shape[-1])  # (N * n_patches, C)
-        return x.masked_scatter(at[..., None], feats)  # fills the True positions in row-major order
+        return (logits, torch.stack(routes) if routes else None) if return_routing else logits
 
     # ---- Hugging Face checkpoints ----
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
         """path: a Hugging Face directory, or a .gguf file (converted once, into convert_gguf's default out_dir)."""
-        if str(path).endswith(".gguf"):
-            path = convert_gguf(str(path))
+        path = convert_gguf(str(path)) if str(path).endswith(".gguf") else path
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
@@ -401,7 +365,13 @@ class Transformer(nn.Module):
             c = ModelConfig.from_hf(json.load(f), cfg_path)
         with torch.device("meta"):
             model = cls(c)
-        state = load_safetensors(path)
+        index, files = os.path.join(path, "model.safetensors.index.json"), ["model.safetensors"]
+        if os.path.isfile(index):  # a sharded checkpoint
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        state = {}
+        for name in files:  # a missing file raises FileNotFoundError, naming it
+            state.update(load_file(os.path.join(path, name)))
         expected = to_hf_state(model.state_dict(), c)
         missing = [k for k in expected if k not in state]
         extra = [k for k in state if k not in expected and not (k == "lm_head.weight" and c.tie_word_embeddings)]
@@ -436,30 +406,11 @@ def to_hf_state(sd, c: ModelConfig):
 
 def from_hf_state(hf, c: ModelConfig):
     """Hugging Face keys -> our state dict (per-expert tensors stacked)."""
-    out, experts = {}, {}
-    for k, t in hf.items():
-        if ".experts." in k:
-            pre, rest = k.split(".experts.")
-            e, proj, _ = rest.split(".")
-            experts.setdefault(f"{pre}.w_{proj[:-5]}", {})[int(e)] = t
-        else:
-            out[k] = t
-    return out | {k: torch.stack([d[e] for e in range(c.num_experts)]) for k, d in experts.items()}
-
-
-def load_safetensors(path):
-    index, files = os.path.join(path, "model.safetensors.index.json"), ["model.safetensors"]
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    state = {}
-    for name in files:
-        fp = os.path.join(path, name)
-        if not os.path.isfile(fp):
-            raise FileNotFoundError(f"{fp}: missing checkpoint file")
-        with safe_open(fp, framework="pt") as f:
-            state.update({k: f.get_tensor(k) for k in f.keys()})
-    return state
+    out = {k: t for k, t in hf.items() if ".experts." not in k}
+    for pre in dict.fromkeys(k.split(".experts.")[0] for k in hf if ".experts." in k):  # each MoE layer's mlp
+        for w in ("gate", "up", "down"):
+            out[f"{pre}.w_{w}"] = torch.stack([hf[f"{pre}.experts.{e}.{w}_proj.weight"] for e in range(c.num_experts)])
+    return out
 
 
 def save_pretrained(path, c: ModelConfig, sd, hf_config=None):
@@ -480,8 +431,8 @@ def convert_gguf(gguf_path, out_dir=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, name = os.path.split(os.path.abspath(gguf_path))
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # transformers marks the model quantized and refuses to save it; its config without the quantization, plus
-    # the architecture (a GGUF-derived config has none), is a plain checkpoint's (bos/eos ids kept)
+    # transformers refuses to save a model it marks quantized: its config minus the quantization, plus the
+    # architecture (a GGUF-derived config has none), is a plain checkpoint's, bos/eos ids kept
     d = {k: v for k, v in hf.config.to_dict().items() if k != "quantization_config"}
     d["architectures"] = [type(hf).__name__]
     c = ModelConfig.from_hf(d, gguf_path)  # an unsupported model fails here, before anything is written
