@@ -40,7 +40,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Feedback repeats the guess ("4 is too low"): the last message then holds all a simple strategy needs,
 # which is what lets a tiny model learn the game from scratch in minutes.
-GUESS_PROMPT, GUESS_FEEDBACK = "Guess my number from 1 to {}.", ["{} is too low", "{} is too high", "correct", "say a number"]
+GUESS_PROMPT = "Guess my number from 1 to {}."
+GUESS_FEEDBACK = ["{} is too low", "{} is too high", "correct", "say a number"]
 CALC_PROMPT = "What is {}*{}+{}? You may run Python."
 
 
@@ -85,26 +86,18 @@ def make_tokenizer(path: str, vocab_size: int = 512) -> None:
 # ---- the episode: one typed record from rollout to loss ----
 @dataclass
 class Episode:
+    """What the agent decides. Each sampled token's logprob, policy version and experts are taken from the
+    engine's own record of its calls (rollout.check_tokens), never from the agent."""
     ids: list[int] = field(default_factory=list)  # the whole conversation, exactly the tokens the engine saw
     loss_mask: list[int] = field(default_factory=list)  # 1 on tokens the policy sampled, 0 on everything else
-    logprobs: list[float] = field(default_factory=list)  # engine's sampling logprob; 0.0 where mask 0
-    versions: list[int] = field(default_factory=list)  # policy version that sampled each token; -1 where mask 0
-    routing: torch.Tensor | None = None  # (T, n_moe_layers, top_k) int16 experts chosen at each position; -1 unknown
     reward: float = 0.0
-    group: int = 0  # prompt id: episodes of one group share a prompt (group baselines)
     info: dict = field(default_factory=dict)  # numbers to log (turns, tool_errors, ...)
     images: list = field(default_factory=list)  # (C, H, W) float tensors in [0, 1], in the order of their placeholders
 
-    def _pad_routing(self):  # keep routing at one row per token: -1 rows for positions no engine has computed
-        if self.routing is not None and len(self.routing) < len(self.ids):
-            pad = self.routing.new_full((len(self.ids) - len(self.routing), *self.routing.shape[1:]), -1)
-            self.routing = torch.cat([self.routing, pad])
-
     def append(self, ids: list[int]) -> None:
         """Prompt, tool or environment tokens: in the sequence, never trained on."""
-        n = len(ids)
-        self.ids += ids; self.loss_mask += [0] * n; self.logprobs += [0.0] * n; self.versions += [-1] * n
-        self._pad_routing()
+        self.ids += ids
+        self.loss_mask += [0] * len(ids)
 
     def append_image(self, image: torch.Tensor, ids: list[int]) -> None:
         """An image observation: ids hold its placeholders (<|image_pad|> once per patch, see image_text), with
@@ -116,32 +109,14 @@ class Episode:
         self.images.append(image)
 
     def append_completion(self, c) -> None:
-        """An engine result for prompt = self.ids: c.ids, c.logprobs, c.versions, c.routing (prompt + sampled rows)."""
-        if not len(c.ids) == len(c.logprobs) == len(c.versions):
-            raise ValueError(f"completion lengths differ: ids {len(c.ids)}, logprobs {len(c.logprobs)}, "
-                             f"versions {len(c.versions)}")
-        n = len(c.ids)
-        self.ids += c.ids; self.loss_mask += [1] * n; self.logprobs += c.logprobs; self.versions += c.versions
-        if c.routing is None:
-            self._pad_routing()
-            return
-        if len(c.routing) != len(self.ids):
-            raise ValueError(f"completion routing has {len(c.routing)} rows, not prompt + sampled = {len(self.ids)}")
-        new = c.routing.to(torch.int16)
-        if self.routing is None:
-            self.routing = torch.full_like(new, -1)
-        self._pad_routing()
-        # Latest computation wins; -1 means the engine did not compute it (e.g. a prefix-cache hit), keep the old.
-        self.routing = torch.where(new >= 0, new, self.routing)
+        """An engine result for prompt = self.ids: its sampled ids c.ids, trained on."""
+        self.ids += c.ids
+        self.loss_mask += [1] * len(c.ids)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError on an episode the trainer must not see."""
-        T = len(self.ids)
-        if not T == len(self.loss_mask) == len(self.logprobs) == len(self.versions):
-            raise ValueError(f"lengths differ: ids {T}, loss_mask {len(self.loss_mask)}, "
-                             f"logprobs {len(self.logprobs)}, versions {len(self.versions)}")
-        if self.routing is not None and (self.routing.dim() != 3 or len(self.routing) != T):
-            raise ValueError(f"routing shape {tuple(self.routing.shape)}, expected ({T}, n_moe_layers, top_k)")
+        if len(self.ids) != len(self.loss_mask):
+            raise ValueError(f"lengths differ: ids {len(self.ids)}, loss_mask {len(self.loss_mask)}")
         if any(not 0 <= i < vocab_size for i in self.ids):
             raise ValueError(f"token id outside vocab [0, {vocab_size})")
         if any(m not in (0, 1) for m in self.loss_mask):
@@ -150,9 +125,6 @@ class Episode:
             raise ValueError("no sampled token (loss_mask is all 0)")
         if not math.isfinite(self.reward):
             raise ValueError(f"non-finite reward {self.reward}")
-        sampled = [(lp, v) for m, lp, v in zip(self.loss_mask, self.logprobs, self.versions) if m]
-        if not all(math.isfinite(lp) and v >= 0 for lp, v in sampled):
-            raise ValueError("a sampled token has a non-finite logprob or no policy version")
 
 
 # ---- turns: conversations grow by appending token ids, never by re-rendering ----
@@ -296,7 +268,7 @@ def _ints(text: str) -> list[int]:
 
 async def guess(task: dict, llm) -> Episode:
     """Find a secret in 1..guess_max from too-low / too-high feedback within max_turns model turns."""
-    ep, tok, secret = Episode(group=task["group"]), llm.tokenizer, task["secret"]
+    ep, tok, secret = Episode(), llm.tokenizer, task["secret"]
     ep.append(prompt_ids(tok, GUESS_PROMPT.format(task["guess_max"])))
     invalid = 0
     for turn in range(1, task["max_turns"] + 1):
@@ -345,7 +317,7 @@ async def calc(task: dict, llm) -> dict:
 
 async def arith(task: dict, llm) -> Episode:
     """Single turn `a+b=`; the first integer of the answer is checked."""
-    ep = Episode(group=task["group"])
+    ep = Episode()
     ep.append(prompt_ids(llm.tokenizer, f"{task['a']}+{task['b']}="))
     answer = _ints(await model_turn(llm, ep))
     ep.reward = float(bool(answer) and answer[0] == task["a"] + task["b"])
@@ -373,7 +345,7 @@ def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tenso
 async def count(task: dict, llm) -> Episode:
     """How many squares (1..4) does the image show? The environment answers each reply with a new image, for
     max_turns turns; a reply's first digit is its answer; the reward is the fraction answered right."""
-    ep, tok, rng = Episode(group=task["group"]), llm.tokenizer, random.Random(task["seed"])
+    ep, tok, rng = Episode(), llm.tokenizer, random.Random(task["seed"])
     right = 0
     for turn in range(1, task["max_turns"] + 1):
         k, text = rng.randint(1, 4), image_text(task) + COUNT_PROMPT

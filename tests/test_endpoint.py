@@ -220,7 +220,7 @@ def test_completions_with_token_ids_extend_the_segment(tok):
 
 
 # ---- the calc task: a chat agent with a python tool in the sandbox ----
-CALC = {"group": 0, "a": 3, "b": 4, "c": 5, "max_turns": 3, "tool_timeout": 1.0, "tool_memory_mb": 256}
+CALC = {"a": 3, "b": 4, "c": 5, "max_turns": 3, "tool_timeout": 1.0, "tool_memory_mb": 256}
 
 
 @pytest.mark.parametrize("code,answer,reward,errors", [("print(3*4+5)", "17", 1.0, 0), ("print(3*4+5)", "18", 0.0, 0),
@@ -288,9 +288,9 @@ def test_qwen3_vocabulary_random_model_through_the_endpoint():
     llm, _ = chat_episode(engine, q, chat)
     segs = endpoint.segments(llm, 0.0)
     for ep, calls in segs:
-        check_tokens(ep, calls)
+        logprobs = torch.tensor(check_tokens(ep, calls)[0])  # (T,) the engine's record
         ids, mask = torch.tensor(ep.ids), torch.tensor(ep.loss_mask).bool()
         with torch.no_grad():
             logp = torch.log_softmax(engine.model(ids[None])[0].float(), -1)
-        assert (logp[:-1].gather(-1, ids[1:, None])[:, 0][mask[1:]] - torch.tensor(ep.logprobs)[mask]).abs().max() < 1e-5
+        assert (logp[:-1].gather(-1, ids[1:, None])[:, 0][mask[1:]] - logprobs[mask]).abs().max() < 1e-5
     assert sum(len(calls) for _, calls in segs) == 2
