@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 # ---- tokenizer: a tiny byte-level BPE for models trained from scratch ----
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"]
 # ChatML as in Qwen3's template, minus thinking: a system turn, tools, tool calls and tool results in its
-# <tool_call> / <tool_response> format (what endpoint.py parses). Plain turns render as before.
+# <tool_call> / <tool_response> format (what endpoint.py parses).
 CHAT_TEMPLATE = (
     "{% set sys = messages[0]['role'] == 'system' %}{% if tools %}<|im_start|>system\n"
     "{% if sys %}{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n<tools>"
@@ -43,8 +43,6 @@ CHAT_TEMPLATE = (
 GUESS_PROMPT = "Guess my number from 1 to {}."
 GUESS_FEEDBACK = ["{} is too low", "{} is too high", "correct", "say a number"]
 CALC_PROMPT = "What is {}*{}+{}? You may run Python."
-
-
 # the tiny template's tools header with the calc task's tool, so BPE merges it into few tokens
 TOOLS_TEXT = ("# Tools\n<tools>\n{}\n</tools>\nCall one as <tool_call>\n{{\"name\": <name>, \"arguments\": "
               "<args-json-object>}}\n</tool_call>")
@@ -86,8 +84,7 @@ def make_tokenizer(path: str, vocab_size: int = 512) -> None:
 # ---- the episode: one typed record from rollout to loss ----
 @dataclass
 class Episode:
-    """What the agent decides. Each sampled token's logprob, policy version and experts are taken from the
-    engine's own record of its calls (rollout.check_tokens), never from the agent."""
+    """What the agent decides; sampled tokens' logprobs, versions and experts are the engine's (check_tokens)."""
     ids: list[int] = field(default_factory=list)  # the whole conversation, exactly the tokens the engine saw
     loss_mask: list[int] = field(default_factory=list)  # 1 on tokens the policy sampled, 0 on everything else
     reward: float = 0.0
@@ -251,14 +248,10 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
             pipe.close()
     cut = b"\n... [output truncated] ...\n" if total > 2 * half else b""
     text = (head + cut + tail).decode(errors="replace")
-    if timed_out:
-        return False, f"error: timed out after {timeout_s}s\n{text}"
-    if proc.returncode < 0:  # e.g. SIGKILL from RLIMIT_CPU, SIGXFSZ from RLIMIT_FSIZE, SIGABRT
-        sig = -proc.returncode
-        return False, f"error: killed by signal {sig} ({signal.strsignal(sig)})\n{text}"
-    if proc.returncode > 0:
-        return False, f"error: exit code {proc.returncode}\n{text}"
-    return True, text
+    rc = proc.returncode  # < 0: a signal, e.g. SIGKILL from RLIMIT_CPU, SIGXFSZ from RLIMIT_FSIZE, SIGABRT
+    error = (f"timed out after {timeout_s}s" if timed_out else f"exit code {rc}" if rc > 0
+             else f"killed by signal {-rc} ({signal.strsignal(-rc)})" if rc < 0 else None)
+    return error is None, text if error is None else f"error: {error}\n{text}"
 
 
 # ---- built-in tasks: each an agent `async def NAME(task, llm) -> Episode`, sized by the task dict ----
@@ -273,11 +266,9 @@ async def guess(task: dict, llm) -> Episode:
     invalid = 0
     for turn in range(1, task["max_turns"] + 1):
         digit = re.search(r"[1-9]", await model_turn(llm, ep))  # the first digit is the guess
-        if digit is None:
-            invalid, feedback = invalid + 1, "say a number"
-        else:
-            g = int(digit.group())
-            feedback = "correct" if g == secret else GUESS_FEEDBACK[g > secret].format(g)
+        g = int(digit.group()) if digit else None
+        invalid += g is None
+        feedback = "say a number" if g is None else "correct" if g == secret else GUESS_FEEDBACK[g > secret].format(g)
         if feedback == "correct" or turn == task["max_turns"]:
             break  # no feedback after the last turn: it would be tokens nothing learns from
         ep.append(turn_suffix(tok, feedback))
@@ -380,17 +371,16 @@ def load_agent(name: str):
 def load_task_file(path: str) -> list[dict]:
     """JSONL, one JSON object per prompt, merged into its task dict; a bad line names the file and line."""
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no tasks in the file")
     return rows

@@ -21,11 +21,7 @@ TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.S)  # the Qwen 
 
 
 class RequestError(Exception):
-    """-> an OpenAI-style error body; the agent's client raises it (openai.BadRequestError for 400)."""
-
-    def __init__(self, message, param=None, status=400, code=None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
+    """(message, param=None, status=400, code=None) -> an OpenAI-style error body the agent's client raises."""
 
 
 async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
@@ -38,8 +34,7 @@ async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
         app.router.add_post(f"/ep/{{ep}}/v1/{path}", functools.partial(_handle, server, fn))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     server["port"], server["runner"] = runner.addresses[0][1], runner
     return server
 
@@ -58,12 +53,11 @@ def segments(llm, result) -> list:
     reward, info = (result.get("reward"), result.get("info", {})) if isinstance(result, dict) else (result, {})
     if not isinstance(reward, (int, float)):
         raise ValueError(f"a chat agent returns a float or a dict with 'reward', got {type(result).__name__}")
-    segs = [s for s in llm.segs if s["calls"]]
-    if not segs:
+    if not llm.segs:  # a segment starts with a call the engine answered
         raise ValueError("the chat agent made no call to the endpoint")
-    for s in segs:
-        s["ep"].reward, s["ep"].info = float(reward), dict(llm.counts, **info, segments=len(segs))
-    return [(s["ep"], s["calls"]) for s in segs]
+    for s in llm.segs:
+        s["ep"].reward, s["ep"].info = float(reward), dict(llm.counts, **info, segments=len(llm.segs))
+    return [(s["ep"], s["calls"]) for s in llm.segs]
 
 
 async def _handle(server, fn, request):
@@ -71,31 +65,29 @@ async def _handle(server, fn, request):
         llm = server["episodes"].get(request.match_info["ep"])
         if llm is None:
             raise RequestError(f"unknown episode {request.match_info['ep']!r} (finished, or never started)",
-                               status=404, code="episode_not_found")
+                               None, 404, "episode_not_found")
         try:
             body = await request.json()
         except ValueError:
             raise RequestError("the body is not valid JSON") from None
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
-        for k, v in server["sampling"].items():  # refused: they would change the distribution the trainer assumes
+        # refused: sampling knobs would change the distribution the trainer assumes; the record holds one answer
+        for k, v in [*server["sampling"].items(), ("n", 1), ("stream", False)]:
             if body.get(k) is not None and body[k] != v:
-                raise RequestError(f"{k}={body[k]!r} differs from the run's {k}={v!r}", param=k)
-        for k, ok in (("n", 1), ("stream", False)):
-            if body.get(k) not in (None, ok):
-                raise RequestError(f"{k}={body[k]!r} is not supported", param=k)
+                raise RequestError(f"{k}={body[k]!r} differs from the run's {k}={v!r}", k)
         async with llm.lock:  # one call of an episode at a time: each extends the record it was matched to
             out = await fn(server, llm, body)
         return web.json_response({"id": f"nanomolt-{time.monotonic_ns()}", "created": int(time.time()),
                                   "model": server["model"], **out})
     except RequestError as e:
-        return _error(str(e), e.status, e.param, e.code)
+        return _error(*e.args)
     except (ValueError, RuntimeError) as e:  # the engine refused it: too long a prompt, a closed episode
         code = "context_length_exceeded" if "max_len" in str(e) else None
-        return _error(str(e), 400, "messages" if code else None, code)
+        return _error(str(e), "messages" if code else None, 400, code)
 
 
-def _error(message, status, param=None, code=None):
+def _error(message, param=None, status=400, code=None):
     kind = "invalid_request_error" if status < 500 else "server_error"
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status)
@@ -110,14 +102,13 @@ async def _chat(server, llm, body):
     try:
         text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template's error (jinja's, a bad tool's) is the request's, not the rollout's
-        raise RequestError(f"the chat template cannot render these messages: {e}", param="messages") from e
+        raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from e
     # the longest segment whose text the rendering extends; its ids stay, only the rest is tokenized
     seg = max((s for s in llm.segs if s["text"] is not None and text.startswith(s["text"])),
               key=lambda s: len(s["text"]), default=None)
     new = tok.encode(text[len(seg["text"]):] if seg else text, add_special_tokens=False)
-    seg, c, sampled, finish = await _generate(server, llm, body, seg, new)
-    seg["text"] = text + sampled
-    msg, n = {"role": "assistant", "content": sampled.removesuffix(tok.eos_token)}, len(seg["calls"][-1][0])
+    sampled, finish, usage = await _generate(server, llm, body, seg, new, text)
+    msg = {"role": "assistant", "content": sampled}
     if tools and "<tool_call>" in msg["content"]:
         calls = _tool_calls(msg["content"])
         llm.counts["malformed_tool_calls" if calls is None else "tool_calls"] += 1
@@ -125,9 +116,8 @@ async def _chat(server, llm, body):
             msg = dict(msg, content=msg["content"][:msg["content"].index("<tool_call>")].removesuffix("\n"),
                        tool_calls=calls)
             finish = "tool_calls"
-    return {"object": "chat.completion", "choices": [{"index": 0, "message": msg, "finish_reason": finish,
-                                                      "logprobs": None}],
-            "usage": {"prompt_tokens": n, "completion_tokens": len(c.ids), "total_tokens": n + len(c.ids)}}
+    choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
+    return {"object": "chat.completion", "choices": [choice], "usage": usage}
 
 
 def _tool_calls(text):
@@ -151,35 +141,34 @@ def _tool_calls(text):
 async def _completions(server, llm, body):
     """/v1/completions: a prompt of token ids (exact) or text (tokenized whole); it extends the segment whose
     ids begin it, else starts a new one."""
-    prompt, tok = body.get("prompt"), server["tok"]
+    prompt = body.get("prompt")
     if isinstance(prompt, str):
-        prompt = tok.encode(prompt, add_special_tokens=False)
+        prompt = server["tok"].encode(prompt, add_special_tokens=False)
     if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-        raise RequestError("prompt must be a string or a non-empty list of token ids", param="prompt")
+        raise RequestError("prompt must be a string or a non-empty list of token ids", "prompt")
     seg = max((s for s in llm.segs if prompt[:len(s["ep"].ids)] == s["ep"].ids), key=lambda s: len(s["ep"].ids),
               default=None)
-    seg, c, sampled, finish = await _generate(server, llm, body, seg, prompt[len(seg["ep"].ids) if seg else 0:])
-    seg["text"] = None  # chat requests do not extend a segment of token prompts
-    n = len(prompt)
-    return {"object": "text_completion", "choices": [{"index": 0, "text": sampled.removesuffix(tok.eos_token),
-                                                      "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": n, "completion_tokens": len(c.ids), "total_tokens": n + len(c.ids)}}
+    text, finish, usage = await _generate(server, llm, body, seg, prompt[len(seg["ep"].ids) if seg else 0:])
+    return {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                                                      "logprobs": None}], "usage": usage}
 
 
-async def _generate(server, llm, body, seg, new):
+async def _generate(server, llm, body, seg, new, text=None):
     """Sample after seg's ids + new (seg None: a new segment); the record changes only once the engine answered.
-    -> (segment, Completion, sampled text (cut before a stop string), finish_reason)"""
+    text: the chat rendering of the prompt (None for a token prompt: chat requests never extend that segment).
+    -> (sampled text, cut before a stop string, without eos; finish_reason; usage)"""
     max_new = body.get("max_completion_tokens") or body.get("max_tokens")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if max_new is not None and not (isinstance(max_new, int) and max_new > 0):
-        raise RequestError(f"max_tokens={max_new!r} must be a positive integer", param="max_tokens")
+        raise RequestError(f"max_tokens={max_new!r} must be a positive integer", "max_tokens")
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise RequestError("stop must be a string or a list of non-empty strings", param="stop")
+        raise RequestError("stop must be a string or a list of non-empty strings", "stop")
     prompt = (seg["ep"].ids if seg else []) + new
-    c, decode = await llm.generate(prompt, max_new), functools.partial(server["tok"].decode, skip_special_tokens=False)
-    text = decode(c.ids)
-    cut = min((text.index(s) for s in stop if s in text), default=None)
+    tok, c = server["tok"], await llm.generate(prompt, max_new)
+    decode = functools.partial(tok.decode, skip_special_tokens=False)
+    sampled = decode(c.ids)
+    cut = min((sampled.index(s) for s in stop if s in sampled), default=None)
     if cut is not None:  # a stop string ends the turn: the tokens after the one that completes it were never shown
         k = next(k for k in range(1, len(c.ids) + 1) if any(s in decode(c.ids[:k]) for s in stop))
         c.ids[k:], c.logprobs[k:], c.versions[k:] = [], [], []  # in place: llm.calls holds this record
@@ -190,5 +179,7 @@ async def _generate(server, llm, body, seg, new):
     seg["ep"].append(new)
     seg["ep"].append_completion(c)
     seg["calls"].append(llm.calls[-1])
-    eos = bool(c.ids) and c.ids[-1] == server["tok"].eos_token_id
-    return seg, c, text[:cut], "stop" if eos or cut is not None else "length"
+    seg["text"] = None if text is None else text + sampled[:cut]
+    eos = bool(c.ids) and c.ids[-1] == tok.eos_token_id
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(c.ids), "total_tokens": len(prompt) + len(c.ids)}
+    return sampled[:cut].removesuffix(tok.eos_token), "stop" if eos or cut is not None else "length", usage
