@@ -261,9 +261,8 @@ def _ints(text: str) -> list[int]:
 
 async def guess(task: dict, llm) -> Episode:
     """Find a secret in 1..guess_max from too-low / too-high feedback within max_turns model turns."""
-    ep, tok, secret = Episode(), llm.tokenizer, task["secret"]
+    ep, tok, secret, invalid = Episode(), llm.tokenizer, task["secret"], 0
     ep.append(prompt_ids(tok, GUESS_PROMPT.format(task["guess_max"])))
-    invalid = 0
     for turn in range(1, task["max_turns"] + 1):
         digit = re.search(r"[1-9]", await model_turn(llm, ep))  # the first digit is the guess
         g = int(digit.group()) if digit else None
@@ -278,8 +277,7 @@ async def guess(task: dict, llm) -> Episode:
 
 
 PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description": "Run Python code, see its output",
-                                                "parameters": {"type": "object", "required": ["code"],
-                                                               "properties": {"code": {"type": "string"}}}}}
+               "parameters": {"type": "object", "required": ["code"], "properties": {"code": {"type": "string"}}}}}
 
 
 async def calc(task: dict, llm) -> dict:
@@ -336,8 +334,7 @@ def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tenso
 async def count(task: dict, llm) -> Episode:
     """How many squares (1..4) does the image show? The environment answers each reply with a new image, for
     max_turns turns; a reply's first digit is its answer; the reward is the fraction answered right."""
-    ep, tok, rng = Episode(), llm.tokenizer, random.Random(task["seed"])
-    right = 0
+    ep, tok, rng, right = Episode(), llm.tokenizer, random.Random(task["seed"]), 0
     for turn in range(1, task["max_turns"] + 1):
         k, text = rng.randint(1, 4), image_text(task) + COUNT_PROMPT
         ids = turn_suffix(tok, text) if turn > 1 else prompt_ids(tok, text)  # the environment answers with an image

@@ -1,10 +1,8 @@
-"""
-endpoint.py: an OpenAI-compatible endpoint, so an agent can be any program that speaks the chat API. One aiohttp
+"""endpoint.py: an OpenAI-compatible endpoint, so an agent can be any program that speaks the chat API. One aiohttp
 server per rollout process, in its loop; each episode's base URL is http://127.0.0.1:PORT/ep/<id>/v1. A request's
 messages are rendered with the chat template; when the text starts with a segment's text so far (prompts as
 rendered, completions as sampled), the segment's ids are kept and only the rest is tokenized. Else (Qwen3 drops
-earlier <think> blocks, the agent edits its history) a new segment starts. Each segment is one trained episode.
-"""
+earlier <think> blocks, the agent edits its history) a new segment starts. Each segment is one trained episode."""
 import asyncio
 import functools
 import itertools
@@ -158,8 +156,7 @@ async def _generate(server, llm, body, seg, new, text=None):
     text: the chat rendering of the prompt (None for a token prompt: chat requests never extend that segment).
     -> (sampled text, cut before a stop string, without eos; finish_reason; usage)"""
     max_new = body.get("max_completion_tokens") or body.get("max_tokens")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
+    stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
     if max_new is not None and not (isinstance(max_new, int) and max_new > 0):
         raise RequestError(f"max_tokens={max_new!r} must be a positive integer", "max_tokens")
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
