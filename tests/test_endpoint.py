@@ -203,22 +203,6 @@ def test_stop_strings_cut_the_text_not_the_record(tok):
     assert "I guess 4. <|im_end|>\n<|im_start|>user\n4 is too low" in text and "Then" not in text
 
 
-def test_completions_with_token_ids_extend_the_segment(tok):
-    prompt = agent.prompt_ids(tok, "2+2=")
-
-    async def completions(client, llm):
-        a = await client.completions.create(model=llm.model, prompt=prompt, max_tokens=4)
-        ids = endpoint_ids(llm)
-        return a, await client.completions.create(model=llm.model, prompt=ids + agent.turn_suffix(tok, "more"))
-
-    def endpoint_ids(llm):
-        return list(llm.segs[-1]["ep"].ids)
-    llm, (a, b) = chat_episode(dense_engine(tok), tok, completions)
-    [(ep, calls)] = endpoint.segments(llm, 0.0)
-    check_tokens(ep, calls)
-    assert len(calls) == 2 and ep.ids[:len(prompt)] == prompt and a.usage.prompt_tokens == len(prompt)
-
-
 # ---- the calc task: a chat agent with a python tool in the sandbox ----
 CALC = {"a": 3, "b": 4, "c": 5, "max_turns": 3, "tool_timeout": 1.0, "tool_memory_mb": 256}
 
