@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 # ---- tokenizer: a tiny byte-level BPE for models trained from scratch ----
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"]
 # ChatML as in Qwen3's template, minus thinking: a system turn, tools, tool calls and tool results in its
-# <tool_call> / <tool_response> format (what endpoint.py parses). Plain turns render as before.
+# <tool_call> / <tool_response> format (what endpoint.py parses).
 CHAT_TEMPLATE = (
     "{% set sys = messages[0]['role'] == 'system' %}{% if tools %}<|im_start|>system\n"
     "{% if sys %}{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n<tools>"
@@ -40,7 +40,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Feedback repeats the guess ("4 is too low"): the last message then holds all a simple strategy needs,
 # which is what lets a tiny model learn the game from scratch in minutes.
-GUESS_PROMPT, GUESS_FEEDBACK = "Guess my number from 1 to {}.", ["{} is too low", "{} is too high", "correct", "say a number"]
+GUESS_PROMPT = "Guess my number from 1 to {}."
+GUESS_FEEDBACK = ["{} is too low", "{} is too high", "correct", "say a number"]
 CALC_PROMPT = "What is {}*{}+{}? You may run Python."
 CORPUS_CALC = "What is {}*{}+{}? You may write `calc: <python expression>`."  # frozen: see _corpus
 
@@ -79,26 +80,17 @@ def make_tokenizer(path: str, vocab_size: int = 384) -> None:
 # ---- the episode: one typed record from rollout to loss ----
 @dataclass
 class Episode:
+    """What the agent decides; sampled tokens' logprobs, versions and experts are the engine's (check_tokens)."""
     ids: list[int] = field(default_factory=list)  # the whole conversation, exactly the tokens the engine saw
     loss_mask: list[int] = field(default_factory=list)  # 1 on tokens the policy sampled, 0 on everything else
-    logprobs: list[float] = field(default_factory=list)  # engine's sampling logprob; 0.0 where mask 0
-    versions: list[int] = field(default_factory=list)  # policy version that sampled each token; -1 where mask 0
-    routing: torch.Tensor | None = None  # (T, n_moe_layers, top_k) int16 experts chosen at each position; -1 unknown
     reward: float = 0.0
-    group: int = 0  # prompt id: episodes of one group share a prompt (group baselines)
     info: dict = field(default_factory=dict)  # numbers to log (turns, tool_errors, ...)
     images: list = field(default_factory=list)  # (C, H, W) float tensors in [0, 1], in the order of their placeholders
 
-    def _pad_routing(self):  # keep routing at one row per token: -1 rows for positions no engine has computed
-        if self.routing is not None and len(self.routing) < len(self.ids):
-            pad = self.routing.new_full((len(self.ids) - len(self.routing), *self.routing.shape[1:]), -1)
-            self.routing = torch.cat([self.routing, pad])
-
     def append(self, ids: list[int]) -> None:
         """Prompt, tool or environment tokens: in the sequence, never trained on."""
-        n = len(ids)
-        self.ids += ids; self.loss_mask += [0] * n; self.logprobs += [0.0] * n; self.versions += [-1] * n
-        self._pad_routing()
+        self.ids += ids
+        self.loss_mask += [0] * len(ids)
 
     def append_image(self, image: torch.Tensor, ids: list[int]) -> None:
         """An image observation: ids hold its placeholders (<|image_pad|> once per patch, see image_text), with
@@ -110,32 +102,14 @@ class Episode:
         self.images.append(image)
 
     def append_completion(self, c) -> None:
-        """An engine result for prompt = self.ids: c.ids, c.logprobs, c.versions, c.routing (prompt + sampled rows)."""
-        if not len(c.ids) == len(c.logprobs) == len(c.versions):
-            raise ValueError(f"completion lengths differ: ids {len(c.ids)}, logprobs {len(c.logprobs)}, "
-                             f"versions {len(c.versions)}")
-        n = len(c.ids)
-        self.ids += c.ids; self.loss_mask += [1] * n; self.logprobs += c.logprobs; self.versions += c.versions
-        if c.routing is None:
-            self._pad_routing()
-            return
-        if len(c.routing) != len(self.ids):
-            raise ValueError(f"completion routing has {len(c.routing)} rows, not prompt + sampled = {len(self.ids)}")
-        new = c.routing.to(torch.int16)
-        if self.routing is None:
-            self.routing = torch.full_like(new, -1)
-        self._pad_routing()
-        # Latest computation wins; -1 means the engine did not compute it (e.g. a prefix-cache hit), keep the old.
-        self.routing = torch.where(new >= 0, new, self.routing)
+        """An engine result for prompt = self.ids: its sampled ids c.ids, trained on."""
+        self.ids += c.ids
+        self.loss_mask += [1] * len(c.ids)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError on an episode the trainer must not see."""
-        T = len(self.ids)
-        if not T == len(self.loss_mask) == len(self.logprobs) == len(self.versions):
-            raise ValueError(f"lengths differ: ids {T}, loss_mask {len(self.loss_mask)}, "
-                             f"logprobs {len(self.logprobs)}, versions {len(self.versions)}")
-        if self.routing is not None and (self.routing.dim() != 3 or len(self.routing) != T):
-            raise ValueError(f"routing shape {tuple(self.routing.shape)}, expected ({T}, n_moe_layers, top_k)")
+        if len(self.ids) != len(self.loss_mask):
+            raise ValueError(f"lengths differ: ids {len(self.ids)}, loss_mask {len(self.loss_mask)}")
         if any(not 0 <= i < vocab_size for i in self.ids):
             raise ValueError(f"token id outside vocab [0, {vocab_size})")
         if any(m not in (0, 1) for m in self.loss_mask):
@@ -144,9 +118,6 @@ class Episode:
             raise ValueError("no sampled token (loss_mask is all 0)")
         if not math.isfinite(self.reward):
             raise ValueError(f"non-finite reward {self.reward}")
-        sampled = [(lp, v) for m, lp, v in zip(self.loss_mask, self.logprobs, self.versions) if m]
-        if not all(math.isfinite(lp) and v >= 0 for lp, v in sampled):
-            raise ValueError("a sampled token has a non-finite logprob or no policy version")
 
 
 # ---- turns: conversations grow by appending token ids, never by re-rendering ----
@@ -273,14 +244,10 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
             pipe.close()
     cut = b"\n... [output truncated] ...\n" if total > 2 * half else b""
     text = (head + cut + tail).decode(errors="replace")
-    if timed_out:
-        return False, f"error: timed out after {timeout_s}s\n{text}"
-    if proc.returncode < 0:  # e.g. SIGKILL from RLIMIT_CPU, SIGXFSZ from RLIMIT_FSIZE, SIGABRT
-        sig = -proc.returncode
-        return False, f"error: killed by signal {sig} ({signal.strsignal(sig)})\n{text}"
-    if proc.returncode > 0:
-        return False, f"error: exit code {proc.returncode}\n{text}"
-    return True, text
+    rc = proc.returncode  # < 0: a signal, e.g. SIGKILL from RLIMIT_CPU, SIGXFSZ from RLIMIT_FSIZE, SIGABRT
+    error = (f"timed out after {timeout_s}s" if timed_out else f"exit code {rc}" if rc > 0
+             else f"killed by signal {-rc} ({signal.strsignal(-rc)})" if rc < 0 else None)
+    return error is None, text if error is None else f"error: {error}\n{text}"
 
 
 # ---- built-in tasks: each an agent `async def NAME(task, llm) -> Episode`, sized by the task dict ----
@@ -290,16 +257,13 @@ def _ints(text: str) -> list[int]:
 
 async def guess(task: dict, llm) -> Episode:
     """Find a secret in 1..guess_max from too-low / too-high feedback within max_turns model turns."""
-    ep, tok, secret = Episode(group=task["group"]), llm.tokenizer, task["secret"]
+    ep, tok, secret, invalid = Episode(), llm.tokenizer, task["secret"], 0
     ep.append(prompt_ids(tok, GUESS_PROMPT.format(task["guess_max"])))
-    invalid = 0
     for turn in range(1, task["max_turns"] + 1):
         digit = re.search(r"[1-9]", await model_turn(llm, ep))  # the first digit is the guess
-        if digit is None:
-            invalid, feedback = invalid + 1, "say a number"
-        else:
-            g = int(digit.group())
-            feedback = "correct" if g == secret else GUESS_FEEDBACK[g > secret].format(g)
+        g = int(digit.group()) if digit else None
+        invalid += g is None
+        feedback = "say a number" if g is None else "correct" if g == secret else GUESS_FEEDBACK[g > secret].format(g)
         if feedback == "correct" or turn == task["max_turns"]:
             break  # no feedback after the last turn: it would be tokens nothing learns from
         ep.append(turn_suffix(tok, feedback))
@@ -309,8 +273,7 @@ async def guess(task: dict, llm) -> Episode:
 
 
 PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description": "Run Python code, see its output",
-                                                "parameters": {"type": "object", "required": ["code"],
-                                                               "properties": {"code": {"type": "string"}}}}}
+               "parameters": {"type": "object", "required": ["code"], "properties": {"code": {"type": "string"}}}}}
 
 
 async def calc(task: dict, llm) -> dict:
@@ -339,7 +302,7 @@ async def calc(task: dict, llm) -> dict:
 
 async def arith(task: dict, llm) -> Episode:
     """Single turn `a+b=`; the first integer of the answer is checked."""
-    ep = Episode(group=task["group"])
+    ep = Episode()
     ep.append(prompt_ids(llm.tokenizer, f"{task['a']}+{task['b']}="))
     answer = _ints(await model_turn(llm, ep))
     ep.reward = float(bool(answer) and answer[0] == task["a"] + task["b"])
@@ -367,8 +330,7 @@ def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tenso
 async def count(task: dict, llm) -> Episode:
     """How many squares (1..4) does the image show? The environment answers each reply with a new image, for
     max_turns turns; a reply's first digit is its answer; the reward is the fraction answered right."""
-    ep, tok, rng = Episode(group=task["group"]), llm.tokenizer, random.Random(task["seed"])
-    right = 0
+    ep, tok, rng, right = Episode(), llm.tokenizer, random.Random(task["seed"]), 0
     for turn in range(1, task["max_turns"] + 1):
         k, text = rng.randint(1, 4), image_text(task) + COUNT_PROMPT
         ids = turn_suffix(tok, text) if turn > 1 else prompt_ids(tok, text)  # the environment answers with an image
@@ -402,17 +364,16 @@ def load_agent(name: str):
 def load_task_file(path: str) -> list[dict]:
     """JSONL, one JSON object per prompt, merged into its task dict; a bad line names the file and line."""
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no tasks in the file")
     return rows

@@ -1,10 +1,8 @@
-"""
-endpoint.py: an OpenAI-compatible endpoint, so an agent can be any program that speaks the chat API. One aiohttp
+"""endpoint.py: an OpenAI-compatible endpoint, so an agent can be any program that speaks the chat API. One aiohttp
 server per rollout process, in its loop; each episode's base URL is http://127.0.0.1:PORT/ep/<id>/v1. A request's
 messages are rendered with the chat template; when the text starts with a segment's text so far (prompts as
 rendered, completions as sampled), the segment's ids are kept and only the rest is tokenized. Else (Qwen3 drops
-earlier <think> blocks, the agent edits its history) a new segment starts. Each segment is one trained episode.
-"""
+earlier <think> blocks, the agent edits its history) a new segment starts. Each segment is one trained episode."""
 import asyncio
 import functools
 import itertools
@@ -21,11 +19,7 @@ TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.S)  # the Qwen 
 
 
 class RequestError(Exception):
-    """-> an OpenAI-style error body; the agent's client raises it (openai.BadRequestError for 400)."""
-
-    def __init__(self, message, param=None, status=400, code=None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
+    """(message, param=None, status=400, code=None) -> an OpenAI-style error body the agent's client raises."""
 
 
 async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
@@ -34,12 +28,10 @@ async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
     server = {"tok": tokenizer, "sampling": sampling, "model": model, "ids": itertools.count(),
               "episodes": weakref.WeakValueDictionary()}  # an episode's llm; it goes when the rollout drops it
     app = web.Application(client_max_size=64 << 20)
-    for path, fn in (("chat/completions", _chat), ("completions", _completions)):
-        app.router.add_post(f"/ep/{{ep}}/v1/{path}", functools.partial(_handle, server, fn))
+    app.router.add_post("/ep/{ep}/v1/chat/completions", functools.partial(_handle, server))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     server["port"], server["runner"] = runner.addresses[0][1], runner
     return server
 
@@ -58,76 +50,95 @@ def segments(llm, result) -> list:
     reward, info = (result.get("reward"), result.get("info", {})) if isinstance(result, dict) else (result, {})
     if not isinstance(reward, (int, float)):
         raise ValueError(f"a chat agent returns a float or a dict with 'reward', got {type(result).__name__}")
-    segs = [s for s in llm.segs if s["calls"]]
-    if not segs:
+    if not llm.segs:  # a segment starts with a call the engine answered
         raise ValueError("the chat agent made no call to the endpoint")
-    for s in segs:
-        s["ep"].reward, s["ep"].info = float(reward), dict(llm.counts, **info, segments=len(segs))
-    return [(s["ep"], s["calls"]) for s in segs]
+    for s in llm.segs:
+        s["ep"].reward, s["ep"].info = float(reward), dict(llm.counts, **info, segments=len(llm.segs))
+    return [(s["ep"], s["calls"]) for s in llm.segs]
 
 
-async def _handle(server, fn, request):
+async def _handle(server, request):
     try:
         llm = server["episodes"].get(request.match_info["ep"])
         if llm is None:
             raise RequestError(f"unknown episode {request.match_info['ep']!r} (finished, or never started)",
-                               status=404, code="episode_not_found")
+                               None, 404, "episode_not_found")
         try:
             body = await request.json()
         except ValueError:
             raise RequestError("the body is not valid JSON") from None
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
-        for k, v in server["sampling"].items():  # refused: they would change the distribution the trainer assumes
+        # refused: sampling knobs would change the distribution the trainer assumes; the record holds one answer
+        for k, v in [*server["sampling"].items(), ("n", 1), ("stream", False)]:
             if body.get(k) is not None and body[k] != v:
-                raise RequestError(f"{k}={body[k]!r} differs from the run's {k}={v!r}", param=k)
-        for k, ok in (("n", 1), ("stream", False)):
-            if body.get(k) not in (None, ok):
-                raise RequestError(f"{k}={body[k]!r} is not supported", param=k)
+                raise RequestError(f"{k}={body[k]!r} differs from the run's {k}={v!r}", k)
         async with llm.lock:  # one call of an episode at a time: each extends the record it was matched to
-            out = await fn(server, llm, body)
+            out = await _chat(server, llm, body)
         return web.json_response({"id": f"nanomolt-{time.monotonic_ns()}", "created": int(time.time()),
                                   "model": server["model"], **out})
     except RequestError as e:
-        return _error(str(e), e.status, e.param, e.code)
+        return _error(*e.args)
     except (ValueError, RuntimeError) as e:  # the engine refused it: too long a prompt, a closed episode
         code = "context_length_exceeded" if "max_len" in str(e) else None
-        return _error(str(e), 400, "messages" if code else None, code)
+        return _error(str(e), "messages" if code else None, 400, code)
 
 
-def _error(message, status, param=None, code=None):
+def _error(message, param=None, status=400, code=None):
     kind = "invalid_request_error" if status < 500 else "server_error"
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status)
 
 
 async def _chat(server, llm, body):
+    """One chat turn: render, sample after the longest segment the rendering extends (else a new one), reply. The
+    record changes only once the engine answered."""
     tok, msgs, tools = server["tok"], body.get("messages"), body.get("tools")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                          and isinstance(m.get("content") or "", str) for m in msgs):
         raise RequestError("messages must be a non-empty list of objects with a role and text content", "messages")
+    max_new = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_new is not None and not (isinstance(max_new, int) and max_new > 0):
+        raise RequestError(f"max_tokens={max_new!r} must be a positive integer", "max_tokens")
+    stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise RequestError("stop must be a string or a list of non-empty strings", "stop")
     msgs = [dict(m, content=m.get("content") or "") for m in msgs]  # templates want a string, also with tool calls
     try:
         text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template's error (jinja's, a bad tool's) is the request's, not the rollout's
-        raise RequestError(f"the chat template cannot render these messages: {e}", param="messages") from e
+        raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from e
     # the longest segment whose text the rendering extends; its ids stay, only the rest is tokenized
-    seg = max((s for s in llm.segs if s["text"] is not None and text.startswith(s["text"])),
-              key=lambda s: len(s["text"]), default=None)
+    seg = max((s for s in llm.segs if text.startswith(s["text"])), key=lambda s: len(s["text"]), default=None)
     new = tok.encode(text[len(seg["text"]):] if seg else text, add_special_tokens=False)
-    seg, c, sampled, finish = await _generate(server, llm, body, seg, new)
-    seg["text"] = text + sampled
-    msg, n = {"role": "assistant", "content": sampled.removesuffix(tok.eos_token)}, len(seg["calls"][-1][0])
-    if tools and "<tool_call>" in msg["content"]:
-        calls = _tool_calls(msg["content"])
+    prompt = (seg["ep"].ids if seg else []) + new
+    c = await llm.generate(prompt, max_new)
+    decode = functools.partial(tok.decode, skip_special_tokens=False)
+    sampled = decode(c.ids)
+    cut = min((sampled.index(s) for s in stop if s in sampled), default=None)
+    if cut is not None:  # a stop string ends the turn: the tokens after the one that completes it were never shown
+        k = next(k for k in range(1, len(c.ids) + 1) if any(s in decode(c.ids[:k]) for s in stop))
+        c.ids[k:], c.logprobs[k:], c.versions[k:] = [], [], []  # in place: llm.calls holds this record
+        c.routing = None if c.routing is None else c.routing[:len(prompt) + k]
+    if seg is None:
+        seg = {"ep": agent_mod.Episode(), "calls": [], "text": ""}
+        llm.segs.append(seg)
+    seg["ep"].append(new)
+    seg["ep"].append_completion(c)
+    seg["calls"].append(llm.calls[-1])
+    seg["text"] = text + sampled[:cut]
+    content = sampled[:cut].removesuffix(tok.eos_token)
+    msg = {"role": "assistant", "content": content}
+    finish = "stop" if cut is not None or (c.ids and c.ids[-1] == tok.eos_token_id) else "length"
+    if tools and "<tool_call>" in content:
+        calls = _tool_calls(content)
         llm.counts["malformed_tool_calls" if calls is None else "tool_calls"] += 1
         if calls:
-            msg = dict(msg, content=msg["content"][:msg["content"].index("<tool_call>")].removesuffix("\n"),
-                       tool_calls=calls)
+            msg["content"], msg["tool_calls"] = content[:content.index("<tool_call>")].removesuffix("\n"), calls
             finish = "tool_calls"
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(c.ids), "total_tokens": len(prompt) + len(c.ids)}
     return {"object": "chat.completion", "choices": [{"index": 0, "message": msg, "finish_reason": finish,
-                                                      "logprobs": None}],
-            "usage": {"prompt_tokens": n, "completion_tokens": len(c.ids), "total_tokens": n + len(c.ids)}}
+                                                      "logprobs": None}], "usage": usage}
 
 
 def _tool_calls(text):
@@ -146,49 +157,3 @@ def _tool_calls(text):
         calls.append({"id": f"call_{i}", "type": "function", "function": {
             "name": call["name"], "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
     return calls or None
-
-
-async def _completions(server, llm, body):
-    """/v1/completions: a prompt of token ids (exact) or text (tokenized whole); it extends the segment whose
-    ids begin it, else starts a new one."""
-    prompt, tok = body.get("prompt"), server["tok"]
-    if isinstance(prompt, str):
-        prompt = tok.encode(prompt, add_special_tokens=False)
-    if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-        raise RequestError("prompt must be a string or a non-empty list of token ids", param="prompt")
-    seg = max((s for s in llm.segs if prompt[:len(s["ep"].ids)] == s["ep"].ids), key=lambda s: len(s["ep"].ids),
-              default=None)
-    seg, c, sampled, finish = await _generate(server, llm, body, seg, prompt[len(seg["ep"].ids) if seg else 0:])
-    seg["text"] = None  # chat requests do not extend a segment of token prompts
-    n = len(prompt)
-    return {"object": "text_completion", "choices": [{"index": 0, "text": sampled.removesuffix(tok.eos_token),
-                                                      "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": n, "completion_tokens": len(c.ids), "total_tokens": n + len(c.ids)}}
-
-
-async def _generate(server, llm, body, seg, new):
-    """Sample after seg's ids + new (seg None: a new segment); the record changes only once the engine answered.
-    -> (segment, Completion, sampled text (cut before a stop string), finish_reason)"""
-    max_new = body.get("max_completion_tokens") or body.get("max_tokens")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if max_new is not None and not (isinstance(max_new, int) and max_new > 0):
-        raise RequestError(f"max_tokens={max_new!r} must be a positive integer", param="max_tokens")
-    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise RequestError("stop must be a string or a list of non-empty strings", param="stop")
-    prompt = (seg["ep"].ids if seg else []) + new
-    c, decode = await llm.generate(prompt, max_new), functools.partial(server["tok"].decode, skip_special_tokens=False)
-    text = decode(c.ids)
-    cut = min((text.index(s) for s in stop if s in text), default=None)
-    if cut is not None:  # a stop string ends the turn: the tokens after the one that completes it were never shown
-        k = next(k for k in range(1, len(c.ids) + 1) if any(s in decode(c.ids[:k]) for s in stop))
-        c.ids[k:], c.logprobs[k:], c.versions[k:] = [], [], []  # in place: llm.calls holds this record
-        c.routing = None if c.routing is None else c.routing[:len(prompt) + k]
-    if seg is None:
-        seg = {"ep": agent_mod.Episode(), "calls": [], "text": ""}
-        llm.segs.append(seg)
-    seg["ep"].append(new)
-    seg["ep"].append_completion(c)
-    seg["calls"].append(llm.calls[-1])
-    eos = bool(c.ids) and c.ids[-1] == server["tok"].eos_token_id
-    return seg, c, text[:cut], "stop" if eos or cut is not None else "length"

@@ -315,13 +315,19 @@ def save_tokenizer(src, dst):
 def check_tokens(ep, calls):
     """The trainer must train exactly the tokens the engine saw and sampled: every call's prompt is a
     prefix of the episode, its sampled ids follow it with loss_mask 1, and nothing else has mask 1; its
-    images are the first of the episode's (the same pixels). Logprobs, versions and routing are taken from
-    the engine's record, not from the agent."""
+    images are the first of the episode's (the same pixels). -> the engine's record over the episode:
+    logprobs and versions [T] (0.0 and -1 where mask 0), routing (T, n_moe_layers, top_k) int16 or None
+    (-1 where no engine computed it) and engine_ids (every sampled id, in order)."""
     T = len(ep.ids)
     logprobs, versions, sampled = [0.0] * T, [-1] * T, 0
     routing = None
     for prompt, c, images in calls:
         p, n = len(prompt), len(c.ids)
+        if not n == len(c.logprobs) == len(c.versions):
+            raise ValueError(f"completion lengths differ: ids {n}, logprobs {len(c.logprobs)}, "
+                             f"versions {len(c.versions)}")
+        if not all(math.isfinite(lp) and v >= 0 for lp, v in zip(c.logprobs, c.versions)):
+            raise ValueError(f"a sampled token at position {p} has a non-finite logprob or no policy version")
         if ep.ids[:p] != prompt or ep.ids[p:p + n] != c.ids or not all(ep.loss_mask[p:p + n]):
             raise ValueError(f"token mismatch: the episode does not contain the engine's call at position {p}")
         if images is not None and not (len(ep.images) >= len(images) and all(
@@ -330,13 +336,15 @@ def check_tokens(ep, calls):
         logprobs[p:p + n], versions[p:p + n] = c.logprobs, c.versions
         sampled += n
         if c.routing is not None:
+            if c.routing.dim() != 3 or len(c.routing) != p + n:
+                raise ValueError(f"completion routing shape {tuple(c.routing.shape)}, expected "
+                                 f"(prompt + sampled = {p + n}, n_moe_layers, top_k)")
             if routing is None:
                 routing = torch.full((T, *c.routing.shape[1:]), -1, dtype=torch.int16)
-            known = c.routing >= 0  # the latest computation of a position wins
-            routing[:p + n][known] = c.routing[known]
+            known = c.routing >= 0  # the latest computation of a position wins; -1: not computed (a cache hit)
+            routing[:p + n][known] = c.routing[known].to(torch.int16)
     if sum(ep.loss_mask) != sampled:
         raise ValueError(f"token mismatch: loss_mask marks {sum(ep.loss_mask)} tokens, the engine sampled {sampled}")
-    ep.logprobs, ep.versions, ep.routing = logprobs, versions, routing
     return logprobs, versions, routing, torch.tensor([t for _, c, _ in calls for t in c.ids], dtype=torch.long)
 
 
@@ -348,7 +356,6 @@ def truncated_episode(calls):
                            images=list(images) if images is not None else [], info={"truncated": 1})
     for prompt, c, _ in calls:
         ep.loss_mask[len(prompt):len(prompt) + len(c.ids)] = [1] * len(c.ids)
-    ep.logprobs, ep.versions = [0.0] * len(ep.ids), [-1] * len(ep.ids)  # filled in by check_tokens
     return ep
 
 

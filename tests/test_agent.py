@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 import agent
 from agent import Episode, load_agent, make_task, make_tokenizer, prompt_ids, turn_suffix
+from rollout import check_tokens
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +25,12 @@ def end_id(tok):
 
 
 class ScriptLLM:
-    """Stands in for the engine: returns scripted turns as 'sampled' ids. The code under test is the task."""
+    """Stands in for the engine: returns scripted turns as 'sampled' ids, and records each call as
+    rollout.Policy does (prompt, completion, images). The code under test is the task."""
 
     def __init__(self, tok, turns, close=True, n_moe=0):
         self.tokenizer, self.turns, self.close, self.n_moe = tok, list(turns), close, n_moe
-        self.prompts, self.sampled = [], []
+        self.prompts, self.sampled, self.calls = [], [], []
 
     async def generate(self, ids):
         k = len(self.prompts)
@@ -40,8 +42,10 @@ class ScriptLLM:
             T = len(ids) + len(out)
             routing = ((torch.arange(T)[:, None, None] + k) % 4).expand(T, self.n_moe, 2).clone()
             routing[-1] = -1
-        return SimpleNamespace(ids=out, logprobs=[-0.5 - k - 0.01 * i for i in range(len(out))],
-                               versions=[k + 10] * len(out), routing=routing)
+        c = SimpleNamespace(ids=out, logprobs=[-0.5 - k - 0.01 * i for i in range(len(out))],
+                            versions=[k + 10] * len(out), routing=routing)
+        self.calls.append((list(ids), c, None))
+        return c
 
 
 def run(fn, task, llm):
@@ -82,32 +86,37 @@ def test_appending_turns_equals_rendering(tok):
     # The agent never re-renders; its appended ids must still be what the template would give.
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "5"},
             {"role": "user", "content": "higher"}]
-    full = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
-    grown = prompt_ids(tok, "hi") + tok.encode("5", add_special_tokens=False) + [end_id(tok)] + turn_suffix(tok, "higher")
+    full = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+    grown = (prompt_ids(tok, "hi") + tok.encode("5", add_special_tokens=False) + [end_id(tok)]
+             + turn_suffix(tok, "higher"))
     assert grown == full
 
 
 # ---- guess ----
 def guess_task(**kw):
-    return {"group": 3, "secret": 5, "guess_max": 7, "max_turns": 3, **kw}
+    return {"secret": 5, "guess_max": 7, "max_turns": 3, **kw}
 
 
 def test_guess_found_episode_layout(tok):
     llm = ScriptLLM(tok, ["3", "I say 7", "5"])
     ep = run(agent.guess, guess_task(), llm)
-    assert ep.reward == 1.0 and ep.info == {"turns": 3, "invalid": 0} and ep.group == 3
+    assert ep.reward == 1.0 and ep.info == {"turns": 3, "invalid": 0}
     s1, s2, s3 = llm.sampled
     prompt = prompt_ids(tok, "Guess my number from 1 to 7.")
     fb1, fb2 = turn_suffix(tok, "3 is too low"), turn_suffix(tok, "7 is too high")  # 3 < 5, then 7 > 5
     assert ep.ids == prompt + s1 + fb1 + s2 + fb2 + s3
-    assert ep.loss_mask == [0] * len(prompt) + [1] * len(s1) + [0] * len(fb1) + [1] * len(s2) + [0] * len(fb2) + [1] * len(s3)
+    assert ep.loss_mask == ([0] * len(prompt) + [1] * len(s1) + [0] * len(fb1) + [1] * len(s2) + [0] * len(fb2)
+                            + [1] * len(s3))
     # Each generate call saw exactly the episode so far: the conversation is the token stream.
     assert llm.prompts == [prompt, prompt + s1 + fb1, prompt + s1 + fb1 + s2 + fb2]
     sampled = [i for i, m in enumerate(ep.loss_mask) if m]
     assert [ep.ids[i] for i in sampled] == s1 + s2 + s3
-    assert [ep.logprobs[i] for i in sampled] == [-0.5 - k - 0.01 * i for k, s in enumerate(llm.sampled) for i in range(len(s))]
-    assert [ep.versions[i] for i in sampled] == [10] * len(s1) + [11] * len(s2) + [12] * len(s3)
-    assert all(ep.logprobs[i] == 0.0 and ep.versions[i] == -1 for i, m in enumerate(ep.loss_mask) if not m)
+    logprobs, versions, _, _ = check_tokens(ep, llm.calls)  # the engine's record, laid over the episode
+    assert [logprobs[i] for i in sampled] == [-0.5 - k - 0.01 * i for k, s in enumerate(llm.sampled)
+                                              for i in range(len(s))]
+    assert [versions[i] for i in sampled] == [10] * len(s1) + [11] * len(s2) + [12] * len(s3)
+    assert all(logprobs[i] == 0.0 and versions[i] == -1 for i, m in enumerate(ep.loss_mask) if not m)
     ep.validate(len(tok))
 
 
@@ -130,41 +139,47 @@ def test_cut_off_turn_gets_im_end_unsampled(tok):
     llm = ScriptLLM(tok, ["2", "5"], close=False)  # engine hit max_new_tokens: no <|im_end|> sampled
     ep = run(agent.guess, guess_task(), llm)
     i = len(prompt_ids(tok, "Guess my number from 1 to 7.")) + len(llm.sampled[0])
-    assert ep.ids[i] == end_id(tok) and ep.loss_mask[i] == 0 and ep.versions[i] == -1
+    assert ep.ids[i] == end_id(tok) and ep.loss_mask[i] == 0 and check_tokens(ep, llm.calls)[1][i] == -1
     assert ep.ids[-1] == end_id(tok) and ep.loss_mask[-1] == 0
     assert end_id(tok) not in [t for t, m in zip(ep.ids, ep.loss_mask) if m]
     assert llm.prompts[1] == ep.ids[:len(llm.prompts[1])]
 
 
-# ---- routing ----
+# ---- routing: rollout.check_tokens merges the engine's record of each call ----
 def test_routing_latest_computation_wins(tok):
     llm = ScriptLLM(tok, ["1", "5"], n_moe=3)
     ep = run(agent.guess, guess_task(), llm)
-    T = len(ep.ids)
-    assert ep.routing.shape == (T, 3, 2) and ep.routing.dtype == torch.int16
+    T, routing = len(ep.ids), check_tokens(ep, llm.calls)[2]
+    assert routing.shape == (T, 3, 2) and routing.dtype == torch.int16
     n2 = len(llm.prompts[1]) + len(llm.sampled[1])  # rows the second call covered
-    assert ep.routing[: n2 - 1, 0, 0].tolist() == [(t + 1) % 4 for t in range(n2 - 1)]  # second call overwrote the first
-    assert (ep.routing[n2 - 1:] == -1).all()  # the last sampled token was never fed to the model
+    assert routing[: n2 - 1, 0, 0].tolist() == [(t + 1) % 4 for t in range(n2 - 1)]  # second call overwrote the first
+    assert (routing[n2 - 1:] == -1).all()  # the last sampled token was never fed to the model
 
 
 def test_routing_keeps_old_rows_where_new_is_unknown():
-    ep = Episode()
+    ep, calls = Episode(), []
+
+    def complete(ids, routing):  # an engine call on the episode so far, as rollout.Policy records it
+        c = SimpleNamespace(ids=ids, logprobs=[-1.0] * len(ids), versions=[len(calls)] * len(ids), routing=routing)
+        calls.append((list(ep.ids), c, None))
+        ep.append_completion(c)
     ep.append([1, 2])
-    ep.append_completion(SimpleNamespace(ids=[3], logprobs=[-1.0], versions=[0], routing=torch.full((3, 1, 2), 7)))
+    complete([3], torch.full((3, 1, 2), 7))
     ep.append([4])
-    assert ep.routing[:, 0, 0].tolist() == [7, 7, 7, -1]
+    assert check_tokens(ep, calls)[2][:, 0, 0].tolist() == [7, 7, 7, -1]
     new = torch.full((5, 1, 2), 9)
     new[:2] = -1  # e.g. a prefix-cache hit: the engine did not recompute these
-    ep.append_completion(SimpleNamespace(ids=[5], logprobs=[-1.0], versions=[1], routing=new))
-    assert ep.routing[:, 0, 0].tolist() == [7, 7, 9, 9, 9]
+    complete([5], new)
+    assert check_tokens(ep, calls)[2][:, 0, 0].tolist() == [7, 7, 9, 9, 9]
+    complete([6], torch.zeros(3, 1, 2))
     with pytest.raises(ValueError, match="routing"):
-        ep.append_completion(SimpleNamespace(ids=[6], logprobs=[-1.0], versions=[1], routing=torch.zeros(3, 1, 2)))
+        check_tokens(ep, calls)
 
 
 # ---- arith ----
 @pytest.mark.parametrize("answer,reward", [("7", 1.0), ("7 or 8", 1.0), ("8", 0.0), ("", 0.0), ("17", 0.0)])
 def test_arith_reward(tok, answer, reward):
-    ep = run(agent.arith, {"group": 0, "a": 3, "b": 4}, ScriptLLM(tok, [answer]))
+    ep = run(agent.arith, {"a": 3, "b": 4}, ScriptLLM(tok, [answer]))
     assert ep.reward == reward and ep.ids[: len(prompt_ids(tok, "3+4="))] == prompt_ids(tok, "3+4=")
 
 
@@ -176,8 +191,9 @@ def test_load_agent(tmp_path, tok):
     (tmp_path / "norun.py").write_text("def run(task, llm):\n    pass\n")  # not async
     with pytest.raises(ValueError, match="norun.py"):
         load_agent(str(tmp_path / "norun.py"))
-    (tmp_path / "mine.py").write_text("from agent import arith\nasync def run(task, llm):\n    return await arith(task, llm)\n")
-    ep = run(load_agent(str(tmp_path / "mine.py")), {"group": 0, "a": 1, "b": 1}, ScriptLLM(tok, ["2"]))
+    (tmp_path / "mine.py").write_text("from agent import arith\n"
+                                      "async def run(task, llm):\n    return await arith(task, llm)\n")
+    ep = run(load_agent(str(tmp_path / "mine.py")), {"a": 1, "b": 1}, ScriptLLM(tok, ["2"]))
     assert ep.reward == 1.0
 
 
@@ -198,37 +214,43 @@ def test_make_task_deterministic_and_grouped():
 
 
 # ---- Episode.validate ----
-def good_episode():
-    ep = Episode(group=1)
+def good_episode(**completion):
+    ep = Episode()
     ep.append([1, 2, 3])
-    ep.append_completion(SimpleNamespace(ids=[4, 5], logprobs=[-0.1, -0.2], versions=[0, 0], routing=None))
-    return ep
+    c = SimpleNamespace(**{**dict(ids=[4, 5], logprobs=[-0.1, -0.2], versions=[0, 0], routing=None), **completion})
+    ep.append_completion(c)
+    return ep, [([1, 2, 3], c, None)]
 
 
 @pytest.mark.parametrize("break_it,match", [
     (lambda e: e.ids.__setitem__(0, 50), "vocab"),
     (lambda e: e.ids.__setitem__(0, -1), "vocab"),
-    (lambda e: e.logprobs.pop(), "lengths"),
     (lambda e: e.loss_mask.append(0), "lengths"),
     (lambda e: setattr(e, "reward", math.nan), "reward"),
     (lambda e: setattr(e, "reward", math.inf), "reward"),
     (lambda e: setattr(e, "loss_mask", [0] * 5), "no sampled"),
-    (lambda e: setattr(e, "routing", torch.zeros(4, 1, 2, dtype=torch.int16)), "routing"),
-    (lambda e: e.versions.__setitem__(4, -1), "version"),
-    (lambda e: e.logprobs.__setitem__(3, math.nan), "logprob"),
     (lambda e: e.loss_mask.__setitem__(0, 2), "loss_mask"),
 ])
 def test_validate_catches_malformed(break_it, match):
-    good_episode().validate(vocab_size=50)
-    ep = good_episode()
+    good_episode()[0].validate(vocab_size=50)
+    ep, _ = good_episode()
     break_it(ep)
     with pytest.raises(ValueError, match=match):
         ep.validate(vocab_size=50)
 
 
-def test_completion_with_mismatched_lengths_is_rejected():
-    with pytest.raises(ValueError, match="lengths"):
-        Episode().append_completion(SimpleNamespace(ids=[1, 2], logprobs=[-0.1], versions=[0, 0], routing=None))
+@pytest.mark.parametrize("completion,match", [  # an engine record the trainer must not see: check_tokens refuses it
+    (dict(logprobs=[-0.1]), "lengths"),
+    (dict(versions=[0, 0, 0]), "lengths"),
+    (dict(routing=torch.zeros(4, 1, 2, dtype=torch.int16)), "routing"),
+    (dict(routing=torch.zeros(5, 2, dtype=torch.int16)), "routing"),
+    (dict(versions=[0, -1]), "version"),
+    (dict(logprobs=[math.nan, -0.2]), "logprob"),
+])
+def test_check_tokens_catches_a_malformed_engine_record(completion, match):
+    check_tokens(*good_episode())
+    with pytest.raises(ValueError, match=match):
+        check_tokens(*good_episode(**completion))
 
 
 def test_task_file_rows_join_tasks_and_bad_lines_are_named(tmp_path):

@@ -203,24 +203,8 @@ def test_stop_strings_cut_the_text_not_the_record(tok):
     assert "I guess 4. <|im_end|>\n<|im_start|>user\n4 is too low" in text and "Then" not in text
 
 
-def test_completions_with_token_ids_extend_the_segment(tok):
-    prompt = agent.prompt_ids(tok, "2+2=")
-
-    async def completions(client, llm):
-        a = await client.completions.create(model=llm.model, prompt=prompt, max_tokens=4)
-        ids = endpoint_ids(llm)
-        return a, await client.completions.create(model=llm.model, prompt=ids + agent.turn_suffix(tok, "more"))
-
-    def endpoint_ids(llm):
-        return list(llm.segs[-1]["ep"].ids)
-    llm, (a, b) = chat_episode(dense_engine(tok), tok, completions)
-    [(ep, calls)] = endpoint.segments(llm, 0.0)
-    check_tokens(ep, calls)
-    assert len(calls) == 2 and ep.ids[:len(prompt)] == prompt and a.usage.prompt_tokens == len(prompt)
-
-
 # ---- the calc task: a chat agent with a python tool in the sandbox ----
-CALC = {"group": 0, "a": 3, "b": 4, "c": 5, "max_turns": 3, "tool_timeout": 1.0, "tool_memory_mb": 256}
+CALC = {"a": 3, "b": 4, "c": 5, "max_turns": 3, "tool_timeout": 1.0, "tool_memory_mb": 256}
 
 
 def tool_call_text(code):  # a python tool call as the chat template writes it
@@ -292,9 +276,9 @@ def test_qwen3_vocabulary_random_model_through_the_endpoint():
     llm, _ = chat_episode(engine, q, chat)
     segs = endpoint.segments(llm, 0.0)
     for ep, calls in segs:
-        check_tokens(ep, calls)
+        logprobs = torch.tensor(check_tokens(ep, calls)[0])  # (T,) the engine's record
         ids, mask = torch.tensor(ep.ids), torch.tensor(ep.loss_mask).bool()
         with torch.no_grad():
             logp = torch.log_softmax(engine.model(ids[None])[0].float(), -1)
-        assert (logp[:-1].gather(-1, ids[1:, None])[:, 0][mask[1:]] - torch.tensor(ep.logprobs)[mask]).abs().max() < 1e-5
+        assert (logp[:-1].gather(-1, ids[1:, None])[:, 0][mask[1:]] - logprobs[mask]).abs().max() < 1e-5
     assert sum(len(calls) for _, calls in segs) == 2

@@ -156,14 +156,14 @@ def test_routing_replay_with_images(tok):
     with torch.no_grad():  # other routers: replay must still run the experts the engine chose
         for layer in perturbed.model.layers:
             layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight))
-    for ep, _ in eps:
+    for ep, (_, _, engine_routing, _) in eps:  # check_tokens' record: (T, n_moe, k)
         ids, images = torch.tensor([ep.ids]), torch.stack(ep.images)
         with torch.no_grad():
             logits, routing = m(ids, images=images, return_routing=True)  # routing (n_moe, 1, T, k)
-            known = ep.routing >= 0  # (T, n_moe, k): every position the engine fed
+            known = engine_routing >= 0  # (T, n_moe, k): every position the engine fed
             assert known.sum() >= known[0].numel() * (len(ep.ids) - 2)
-            assert torch.equal(ep.routing[known].long(), routing[:, 0].transpose(0, 1)[known])
-            replayed = perturbed(ids, images=images, routing=ep.routing.transpose(0, 1)[:, None])
+            assert torch.equal(engine_routing[known].long(), routing[:, 0].transpose(0, 1)[known])
+            replayed = perturbed(ids, images=images, routing=engine_routing.transpose(0, 1)[:, None])
             free = perturbed(ids, images=images)
         assert (replayed - logits)[0, :-2].abs().max() <= 1e-5 and (free - logits).abs().max() > 1e-3
 
