@@ -338,8 +338,8 @@ def test_replaying_a_dumped_run_reproduces_its_losses_and_weights(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     for x, y in zip(metrics(tmp_path / "a"), metrics(tmp_path / "b")):
         assert x["loss/policy"] == y["loss/policy"] and x["grad/norm"] == y["grad/norm"]
-    from model_moe import load_safetensors
-    a, b = load_safetensors(str(tmp_path / "a" / "ckpt")), load_safetensors(str(tmp_path / "b" / "ckpt"))
+    from safetensors.torch import load_file
+    a, b = (load_file(tmp_path / run / "ckpt" / "model.safetensors") for run in "ab")
     assert all(torch.equal(a[k], b[k]) for k in a)
     r = run_train(tmp_path / "c", "--max_steps=4", "--max_staleness=0", f"--replay={tmp_path / 'a' / 'rollouts'}")
     assert r.returncode != 0 and "step_4.pt is missing" in r.stderr
