@@ -21,7 +21,6 @@ class Config:
     dump_every: int = 10  # dump a few full episodes (decoded text, masks, reward) every N steps
     rollout_dump: bool = False  # save every trained batch (all its tensors) to <out_dir>/rollouts/step_N.pt
     replay: str = ""  # train on the batches of a rollout_dump directory instead of generating (no engine)
-    wandb_project: str = ""  # log to Weights & Biases under this project when wandb is installed
     # ---- model ----
     model: str = "tiny"  # HF dir (Qwen3, Qwen3-MoE, Llama, Qwen2), a .gguf file, or "tiny": a small MoE from scratch
     dtype: str = "float32"  # compute dtype (trainer and engine): float32 or bfloat16; master weights stay float32

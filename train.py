@@ -22,7 +22,6 @@ import math
 import os
 import shutil
 import signal
-import sys
 import time
 
 import torch
@@ -391,35 +390,15 @@ def check_out_dir(cfg):
 
 # ---- logging: metrics.jsonl, one console line, episodes dumped for reading ----
 
-class Logger:
-    def __init__(self, cfg, rank, step):
-        self.on, self.wandb = rank == 0, None
-        if not self.on:
-            return
-        path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        lines = open(path).read().splitlines() if os.path.exists(path) else []
-        with open(path, "w") as f:  # on resume keep exactly the steps the checkpoint has
-            f.writelines(line + "\n" for line in lines[:step])
-        self.f = open(path, "a")
-        if cfg.wandb_project:
-            try:
-                import wandb
-                self.wandb = wandb.init(project=cfg.wandb_project, config=config.to_dict(cfg), resume="allow")
-            except ImportError:
-                print("wandb is not installed; logging to metrics.jsonl only", file=sys.stderr)
-
-    def log(self, m):
-        if not self.on:
-            return
-        self.f.write(json.dumps(m) + "\n")
-        self.f.flush()
-        if self.wandb:
-            self.wandb.log(m, step=m["step"])
-        mm = m["mismatch/logprob_abs_diff"]
-        print(f"step {m['step']:4d} | reward {m['reward/mean']:.3f} | loss {m['loss/policy']:+.4f} | "
-              f"stale {m['staleness/mean']:.2f}/{m['staleness/max']} | mismatch {'-' if mm is None else f'{mm:.1e}'} "
-              f"| {m['time/step']:.2f}s (wait {m['time/wait_rollout']:.2f}s) | "
-              f"tok/s {m['throughput/rollout_tokens_per_s']:.0f}", flush=True)
+def log_step(cfg, m):
+    """A step's metrics: one line of metrics.jsonl (read it with plot.py, pandas or any logger) and one console line."""
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(m) + "\n")
+    mm = m["mismatch/logprob_abs_diff"]
+    print(f"step {m['step']:4d} | reward {m['reward/mean']:.3f} | loss {m['loss/policy']:+.4f} | "
+          f"stale {m['staleness/mean']:.2f}/{m['staleness/max']} | mismatch {'-' if mm is None else f'{mm:.1e}'} "
+          f"| {m['time/step']:.2f}s (wait {m['time/wait_rollout']:.2f}s) | "
+          f"tok/s {m['throughput/rollout_tokens_per_s']:.0f}", flush=True)
 
 
 def dump_episodes(cfg, step, msgs, tokenizer, n=4):
@@ -497,12 +476,14 @@ def main(argv=None):
     step, data_position = state["step"], state["data_position"]
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
     counters |= state.get("counters", {})
-    logger = Logger(cfg, rank, step)
     weights = full_state(model, fsdp)
     ro = tokenizer = stats = None
     if rank == 0:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        lines = open(path).readlines()[:step] if os.path.exists(path) else []
+        open(path, "w").writelines(lines)  # on resume keep exactly the steps the checkpoint has
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(config.to_dict(cfg), f, indent=2)
         if not cfg.replay:
@@ -552,13 +533,11 @@ def main(argv=None):
             t_train = time.perf_counter()
             vec, stale_max, norms = train_step(model, opt, shares[rank], cfg, step, world, ref, teacher)
             sums, stale_max, hist = reduce_metrics(vec, stale_max, world)
-            if not all(math.isfinite(g) for g in norms):  # an update was skipped; too many in a row end the run
-                counters["bad_steps"] += 1
-                counters["skipped_steps"] += 1
-                if counters["bad_steps"] >= cfg.max_bad_steps:
-                    raise RuntimeError(f"{counters['bad_steps']} non-finite gradient norms in a row at step {step + 1}")
-            else:
-                counters["bad_steps"] = 0
+            bad = not all(math.isfinite(g) for g in norms)  # an update was skipped; too many in a row end the run
+            counters["skipped_steps"] += bad
+            counters["bad_steps"] = (counters["bad_steps"] + 1) * bad
+            if counters["bad_steps"] >= cfg.max_bad_steps:
+                raise RuntimeError(f"{counters['bad_steps']} non-finite gradient norms in a row at step {step + 1}")
             t_train = time.perf_counter() - t_train
             step += 1
             # ---- 5. publish weights as version `step` ----
@@ -574,8 +553,8 @@ def main(argv=None):
                 gen = stats["tokens_generated"] - (last_stats["tokens_generated"] if last_stats else 0)
                 data_position = max(data_position, max(m["index"] for m in msgs) + 1)
                 times = {"step": now - t_step, "wait_rollout": wait, "train": t_train, "weight_sync": t_sync}
-                logger.log(step_metrics(step, msgs, sums, stale_max, hist, norms, times, counters, stats,
-                                        gen / max(now - last_t, 1e-9)))
+                log_step(cfg, step_metrics(step, msgs, sums, stale_max, hist, norms, times, counters, stats,
+                                           gen / max(now - last_t, 1e-9)))
                 last_stats, last_t = stats, now
                 if cfg.dump_every and step % cfg.dump_every == 0:
                     dump_episodes(cfg, step, msgs, tokenizer)

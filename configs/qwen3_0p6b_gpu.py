@@ -1,12 +1,11 @@
-# A real model on GPUs: Qwen3-0.6B (dense) learning the tool-using calc task with the embedded engine.
-# Needs: a CUDA machine, the checkpoint downloaded beforehand (nothing is fetched at run time), e.g.
+# Qwen3-0.6B (dense) on GPUs, the tool-using calc chat agent, embedded engine. The checkpoint must be on disk:
 #   huggingface-cli download Qwen/Qwen3-0.6B --local-dir /models/Qwen3-0.6B
 #   torchrun --standalone --nproc_per_node=8 train.py --config configs/qwen3_0p6b_gpu.py
-# FSDP2 shards the fp32 master weights over the ranks and computes in bfloat16 (MixedPrecisionPolicy);
-# the rollout process (on rank 0's host) keeps an fp32 copy on GPU 0 and refreshes it every step.
+# FSDP2 keeps fp32 master weights sharded and computes in bf16. The engine runs on GPU 0, beside trainer rank 0,
+# in bf16: weights 1.2 GB, KV cache slots x len x 28 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 30 GB.
 out_dir = "out/qwen3-0.6b-calc"
 model = "/models/Qwen3-0.6B"
-dtype = "float32"
+dtype = "bfloat16"
 task = "calc"
 max_turns = 3
 max_new_tokens = 256
@@ -20,6 +19,3 @@ weight_decay = 0.01
 max_staleness = 2
 queue_size = 128  # groups
 max_steps = 500
-ckpt_every = 50
-policy_loss = "ppo"
-correction = "tis"
