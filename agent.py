@@ -44,12 +44,14 @@ GUESS_PROMPT = "Guess my number from 1 to {}."
 GUESS_FEEDBACK = ["{} is too low", "{} is too high", "correct", "say a number"]
 CALC_PROMPT = "What is {}*{}+{}? You may run Python."
 CORPUS_CALC = "What is {}*{}+{}? You may write `calc: <python expression>`."  # frozen: see _corpus
+PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description": "Run Python code, see its output",
+               "parameters": {"type": "object", "required": ["code"], "properties": {"code": {"type": "string"}}}}}
+IMAGE_PAD, COUNT_PROMPT = "<|image_pad|>", "How many squares?"  # an image is one IMAGE_PAD per patch
 
 
 def _corpus(rng: random.Random):
-    """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else. (Text added here
-    changes every merge, and with them the default run's tokens: the guess game learned slower with the tool-call
-    text in; calc's chat prompt is therefore ~230 tokens.)"""
+    """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else. Frozen: text added
+    here changes every merge, and with them the default run's tokens (see the README)."""
     for _ in range(2000):
         a, b, c, n = (rng.randint(1, 9) for _ in range(4))
         yield from ["user\nassistant\ntool\nsystem\n", GUESS_PROMPT.format(n), *(f.format(a) for f in GUESS_FEEDBACK),
@@ -93,7 +95,7 @@ class Episode:
         self.loss_mask += [0] * len(ids)
 
     def append_image(self, image: torch.Tensor, ids: list[int]) -> None:
-        """An image observation: ids hold its placeholders (<|image_pad|> once per patch, see image_text), with
+        """An image observation: ids hold its placeholders (<|image_pad|> once per patch, see count), with
         any text around them; mask 0 like every observation. The engine checks the shape against the model."""
         if not (isinstance(image, torch.Tensor) and image.is_floating_point() and image.dim() == 3):
             got = f"{image.dtype} {tuple(image.shape)}" if isinstance(image, torch.Tensor) else type(image).__name__
@@ -272,10 +274,6 @@ async def guess(task: dict, llm) -> Episode:
     return ep
 
 
-PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description": "Run Python code, see its output",
-               "parameters": {"type": "object", "required": ["code"], "properties": {"code": {"type": "string"}}}}}
-
-
 async def calc(task: dict, llm) -> dict:
     """Compute a*b+c: a chat agent (the openai client on the endpoint) with a `python` tool run in the sandbox;
     the last integer of its last reply answers."""
@@ -309,14 +307,6 @@ async def arith(task: dict, llm) -> Episode:
     return ep
 
 
-IMAGE_PAD, COUNT_PROMPT = "<|image_pad|>", "How many squares?"
-
-
-def image_text(task: dict) -> str:
-    """One image's placeholders in a message: <|image_pad|> once per patch (a special token: one id each)."""
-    return IMAGE_PAD * (task.get("image_size", 16) // task.get("patch_size", 4)) ** 2
-
-
 def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tensor:
     """A black (3, size, size) image with k cell x cell squares at distinct grid cells, each a random bright color."""
     img, g = torch.zeros(3, size, size), size // cell
@@ -331,8 +321,10 @@ async def count(task: dict, llm) -> Episode:
     """How many squares (1..4) does the image show? The environment answers each reply with a new image, for
     max_turns turns; a reply's first digit is its answer; the reward is the fraction answered right."""
     ep, tok, rng, right = Episode(), llm.tokenizer, random.Random(task["seed"]), 0
+    # the image's placeholders: <|image_pad|> once per patch (a special token: one id each)
+    text = IMAGE_PAD * (task.get("image_size", 16) // task.get("patch_size", 4)) ** 2 + COUNT_PROMPT
     for turn in range(1, task["max_turns"] + 1):
-        k, text = rng.randint(1, 4), image_text(task) + COUNT_PROMPT
+        k = rng.randint(1, 4)
         ids = turn_suffix(tok, text) if turn > 1 else prompt_ids(tok, text)  # the environment answers with an image
         ep.append_image(squares(rng, task.get("image_size", 16), k), ids)
         digit = re.search(r"\d", await model_turn(llm, ep))

@@ -18,10 +18,6 @@ import agent as agent_mod
 TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.S)  # the Qwen / Hermes format
 
 
-class RequestError(Exception):
-    """(message, param=None, status=400, code=None) -> an OpenAI-style error body the agent's client raises."""
-
-
 async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
     """Start the server on a free port of 127.0.0.1 in the running loop. sampling: the run's temperature,
     top_p, top_k (a request may not change them: the trainer assumes that distribution)."""
@@ -61,33 +57,31 @@ async def _handle(server, request):
     try:
         llm = server["episodes"].get(request.match_info["ep"])
         if llm is None:
-            raise RequestError(f"unknown episode {request.match_info['ep']!r} (finished, or never started)",
-                               None, 404, "episode_not_found")
+            raise _error(f"unknown episode {request.match_info['ep']!r} (finished, or never started)",
+                         None, "episode_not_found", web.HTTPNotFound)
         try:
             body = await request.json()
         except ValueError:
-            raise RequestError("the body is not valid JSON") from None
+            raise _error("the body is not valid JSON") from None
         if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object")
+            raise _error("the body must be a JSON object")
         # refused: sampling knobs would change the distribution the trainer assumes; the record holds one answer
         for k, v in [*server["sampling"].items(), ("n", 1), ("stream", False)]:
             if body.get(k) is not None and body[k] != v:
-                raise RequestError(f"{k}={body[k]!r} differs from the run's {k}={v!r}", k)
+                raise _error(f"{k}={body[k]!r} differs from the run's {k}={v!r}", k)
         async with llm.lock:  # one call of an episode at a time: each extends the record it was matched to
             out = await _chat(server, llm, body)
         return web.json_response({"id": f"nanomolt-{time.monotonic_ns()}", "created": int(time.time()),
                                   "model": server["model"], **out})
-    except RequestError as e:
-        return _error(*e.args)
     except (ValueError, RuntimeError) as e:  # the engine refused it: too long a prompt, a closed episode
         code = "context_length_exceeded" if "max_len" in str(e) else None
-        return _error(str(e), "messages" if code else None, 400, code)
+        raise _error(str(e), "messages" if code else None, code) from None
 
 
-def _error(message, param=None, status=400, code=None):
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                             status=status)
+def _error(message, param=None, code=None, http=web.HTTPBadRequest):
+    """An OpenAI-style error body (what the agent's client raises) as an aiohttp exception, for the handler to raise."""
+    error = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+    return http(text=json.dumps({"error": error}), content_type="application/json")
 
 
 async def _chat(server, llm, body):
@@ -96,18 +90,18 @@ async def _chat(server, llm, body):
     tok, msgs, tools = server["tok"], body.get("messages"), body.get("tools")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                          and isinstance(m.get("content") or "", str) for m in msgs):
-        raise RequestError("messages must be a non-empty list of objects with a role and text content", "messages")
+        raise _error("messages must be a non-empty list of objects with a role and text content", "messages")
     max_new = body.get("max_completion_tokens") or body.get("max_tokens")
     if max_new is not None and not (isinstance(max_new, int) and max_new > 0):
-        raise RequestError(f"max_tokens={max_new!r} must be a positive integer", "max_tokens")
+        raise _error(f"max_tokens={max_new!r} must be a positive integer", "max_tokens")
     stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise RequestError("stop must be a string or a list of non-empty strings", "stop")
+        raise _error("stop must be a string or a list of non-empty strings", "stop")
     msgs = [dict(m, content=m.get("content") or "") for m in msgs]  # templates want a string, also with tool calls
     try:
         text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template's error (jinja's, a bad tool's) is the request's, not the rollout's
-        raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from e
+        raise _error(f"the chat template cannot render these messages: {e}", "messages") from e
     # the longest segment whose text the rendering extends; its ids stay, only the rest is tokenized
     seg = max((s for s in llm.segs if text.startswith(s["text"])), key=lambda s: len(s["text"]), default=None)
     new = tok.encode(text[len(seg["text"]):] if seg else text, add_special_tokens=False)
@@ -121,8 +115,7 @@ async def _chat(server, llm, body):
         c.ids[k:], c.logprobs[k:], c.versions[k:] = [], [], []  # in place: llm.calls holds this record
         c.routing = None if c.routing is None else c.routing[:len(prompt) + k]
     if seg is None:
-        seg = {"ep": agent_mod.Episode(), "calls": [], "text": ""}
-        llm.segs.append(seg)
+        llm.segs.append(seg := {"ep": agent_mod.Episode(), "calls": [], "text": ""})
     seg["ep"].append(new)
     seg["ep"].append_completion(c)
     seg["calls"].append(llm.calls[-1])
@@ -144,16 +137,14 @@ async def _chat(server, llm, body):
 def _tool_calls(text):
     """Every <tool_call>{"name": ..., "arguments": {...}}</tool_call> in text -> OpenAI tool_calls; None if any is
     malformed (then the text goes back as plain content)."""
-    calls = []
-    for i, m in enumerate(TOOL_CALL.finditer(text)):
-        try:
-            call = json.loads(m.group(1))
-        except ValueError:
-            return None
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and
-                isinstance(call.get("arguments", {}), dict)):
-            return None
-        # arguments as a JSON string, as OpenAI sends them; the template writes a string back verbatim
-        calls.append({"id": f"call_{i}", "type": "function", "function": {
-            "name": call["name"], "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
-    return calls or None
+    try:
+        calls = [json.loads(m.group(1)) for m in TOOL_CALL.finditer(text)]
+    except ValueError:
+        return None
+    if not all(isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments", {}), dict)
+               for c in calls):
+        return None
+    # arguments as a JSON string, as OpenAI sends them; the template writes a string back verbatim
+    return [{"id": f"call_{i}", "type": "function", "function": {
+        "name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
+        for i, c in enumerate(calls)] or None

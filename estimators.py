@@ -1,5 +1,4 @@
-"""
-The math of the RL objective, and nothing else: tensors in, tensors out. Five families of sibling functions,
+"""The math of the RL objective, and nothing else: tensors in, tensors out. Five families of sibling functions,
 one keyword-only signature per family, chosen by name from the dict beside them:
 
     adv     = ADVANTAGES[name](rewards=..., group_ids=...)           # [N], one per episode
@@ -17,9 +16,9 @@ LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: any ratio past this is clipped or maske
 EPS = 1e-6              # added to a std before dividing, so an all-equal group cannot divide by zero
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of x over tokens where mask is 1, as a detached scalar; 0 when nothing is sampled."""
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
+def _masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of x over tokens where mask is 1 (over dim; None: all), 0 where nothing is sampled."""
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def _safe_exp(log_ratio: Tensor) -> Tensor:
@@ -29,15 +28,13 @@ def _safe_exp(log_ratio: Tensor) -> Tensor:
 
 # ---- advantages: per-episode scalars from per-episode rewards ----
 # rewards, group_ids: [N] (a prompt's episodes share an int id; sizes vary) -> [N], spread over sampled tokens
-
 def _centre(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Reward minus its group mean, the group's unbiased std and the group's size, each [N]."""
     ids, idx = torch.unique(group_ids, return_inverse=True)  # idx: [N], dense group index in 0..G-1
     zeros = rewards.new_zeros(len(ids))  # [G]
     # Shift each group by its own max first so an all-equal group is exactly 0 before any sum:
     # 0.1 + 0.1 + 0.1 != 0.3 in floats, and a 1e-9 residue divided by (1e-9 + EPS) is not zero.
-    top = zeros.scatter_reduce(0, idx, rewards, "amax", include_self=False)  # [G]
-    shifted = rewards - top[idx]
+    shifted = rewards - zeros.scatter_reduce(0, idx, rewards, "amax", include_self=False)[idx]  # [N], group max 0
     count = zeros.index_add(0, idx, torch.ones_like(rewards))  # [G]
     dev = shifted - (zeros.index_add(0, idx, shifted) / count)[idx]  # [N]
     var = zeros.index_add(0, idx, dev**2) / (count - 1).clamp(min=1)  # [G], a group of one has var 0
@@ -83,10 +80,9 @@ def batch_mean(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 def distill_advantage(*, teacher_logp: Tensor, old_logp: Tensor, loss_mask: Tensor) -> Tensor:
     """On-policy distillation (Agarwal et al. 2024, https://arxiv.org/abs/2306.13649; Thinking Machines 2025,
-    https://thinkingmachines.ai/blog/on-policy-distillation): the student samples, and each sampled token's
-    advantage is log pi_teacher - log pi_student, [B, T]: the policy gradient then descends the per-token reverse
-    KL(student || teacher). Zero where loss_mask is 0 and where the student already is the teacher. Per token,
-    unlike the per-episode advantages below, so it is not one of them (advantage="opd" adds it to GRPO's)."""
+    https://thinkingmachines.ai/blog/on-policy-distillation): each token the student sampled gets the advantage
+    log pi_teacher - log pi_student, [B, T], so the policy gradient descends the per-token reverse KL(student ||
+    teacher); 0 where loss_mask is 0. Per token, so not in ADVANTAGES (advantage="opd" adds it to GRPO's)."""
     return (teacher_logp - old_logp) * loss_mask
 
 
@@ -97,29 +93,23 @@ ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": re
 # ---- policy losses: per-token loss [B, T] (zero where loss_mask is 0) and a clip fraction ----
 # logp [B, T]: the current policy, with grad; old_logp [B, T]: the policy the batch is scored against (the
 # trainer's recompute before the first update), no grad. clip_frac: the fraction of sampled tokens clipped.
-
-def _clipped_surrogate(ratio, advantages, loss_mask, clip_low, clip_high, dual_clip):
-    """-min(r A, clip(r) A), with the dual-clip cap for A < 0 -> (masked loss [B, T], clip fraction)."""
+def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
+        clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate, Schulman et al. 2017 (https://arxiv.org/abs/1707.06347), per token: -min(r A, clip(r) A)
+    with r = pi/pi_old clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's clip-higher
+    (https://arxiv.org/abs/2503.14476), room to raise rare tokens' probability. dual_clip = c > 1 caps the loss
+    of A < 0 tokens at -c A, Ye et al. 2020 (https://arxiv.org/abs/1912.09729). Loss zeroed where loss_mask is 0."""
+    ratio = _safe_exp(logp - old_logp)  # [B, T]
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     was_clipped = clipped < unclipped  # min chose the flat branch: no gradient for this token
     if dual_clip is not None:
-        # With A < 0 and r -> inf, -r A is unbounded; Ye et al. cap the loss at -c A (c > 1).
-        cap = -dual_clip * advantages
+        cap = -dual_clip * advantages  # with A < 0 and r -> inf, -r A is unbounded; Ye et al. cap it at -c A
         dual = (advantages < 0) & (loss > cap)
         loss = torch.where(dual, cap, loss)  # both branches are finite, so where's backward is safe
         was_clipped = was_clipped | dual
     return loss * loss_mask, _masked_mean(was_clipped, loss_mask)
-
-
-def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
-        clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
-    """PPO clipped surrogate, Schulman et al. 2017 (https://arxiv.org/abs/1707.06347), per token: r = pi/pi_old
-    clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's clip-higher
-    (https://arxiv.org/abs/2503.14476), room to raise rare tokens' probability. dual_clip = c > 1 caps the loss
-    of A < 0 tokens at -c A, Ye et al. 2020 (https://arxiv.org/abs/1912.09729). Loss zeroed where loss_mask is 0."""
-    return _clipped_surrogate(_safe_exp(logp - old_logp), advantages, loss_mask, clip_low, clip_high, dual_clip)
 
 
 def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
@@ -128,11 +118,10 @@ def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tenso
     over its sampled tokens, padding excluded), clipped as in ppo() (the paper: ~3e-4 / 4e-4). In the GSPO-token
     form every token gets the value s and the gradient s * grad logp_t, so under seq_mean_token_mean the gradient
     is exactly GSPO's; a whole sequence clips together. Loss is zeroed where loss_mask is 0."""
-    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * loss_mask  # [B, T]
-    seq_log_ratio = log_ratio.sum(-1) / loss_mask.sum(-1).clamp(min=1)  # [B]
+    seq_log_ratio = _masked_mean((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), loss_mask, -1)  # [B]
     # value sg(s), gradient flows through each token's own logp; logp - logp.detach() is exactly 0
-    ratio = _safe_exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())  # [B, T]
-    return _clipped_surrogate(ratio, advantages, loss_mask, clip_low, clip_high, dual_clip)
+    return ppo(logp=seq_log_ratio.detach()[:, None] + logp - logp.detach(), old_logp=torch.zeros_like(logp),
+               advantages=advantages, loss_mask=loss_mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
 def cispo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
@@ -153,7 +142,6 @@ POLICY_LOSSES = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
 # ---- train-vs-rollout correction: detached weights [B, T] on ratio pi_old / pi_rollout ----
 # The engine (bf16 kernels, other batching) samples from pi_rollout, not quite the trainer's recompute pi_old;
 # the weight multiplies the per-token policy loss. frac: the sampled tokens it truncated or masked.
-
 def tis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
     """Truncated IS per token, min(ratio, high): Yao et al. 2025 (https://fengyao.notion.site/off-policy-rl),
     after IMPALA's truncation (https://arxiv.org/abs/1802.01561). low is unused; there is no lower bound."""
@@ -171,13 +159,11 @@ def mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float
 
 def seq_mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
     """Sequence-level masked IS, Liu, Li et al. 2025 "When Speed Kills Stability"
-    (https://richardli.xyz/post/rl-collapse-training-inference): keeps or drops whole sequences on the geometric-
-    mean ratio exp(mean log ratio over sampled tokens), which unlike the product does not fail long sequences by
-    length alone. frac counts sampled tokens dropped."""
-    log_ratio = (old_logp - rollout_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * loss_mask
-    seq_ratio = _safe_exp(log_ratio.sum(-1) / loss_mask.sum(-1).clamp(min=1))  # [B]
-    keep = ((seq_ratio >= low) & (seq_ratio <= high))[:, None].expand_as(old_logp)  # [B, T]
-    return keep.to(old_logp.dtype), _masked_mean(~keep, loss_mask)
+    (https://richardli.xyz/post/rl-collapse-training-inference): mis() on each sequence's geometric-mean ratio
+    exp(mean log ratio over sampled tokens), which unlike the product does not fail long sequences by length alone."""
+    log_ratio = (old_logp - rollout_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq_log_ratio = _masked_mean(log_ratio, loss_mask, -1)[:, None].expand_as(old_logp)  # [B, T], each row its mean
+    return mis(old_logp=seq_log_ratio, rollout_logp=torch.zeros_like(old_logp), loss_mask=loss_mask, low=low, high=high)
 
 
 def none(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
@@ -192,7 +178,6 @@ CORRECTIONS = {"tis": tis, "mis": mis, "seq_mis": seq_mis, "none": none}
 # Schulman's estimators (http://joschu.net/blog/kl-approx.html), r = ref_logp - logp. As *values* each estimates
 # KL(pi || ref); as *loss terms* they differ (Tang & Munos 2025, https://arxiv.org/abs/2506.09477): k1's expected
 # gradient is 0, k2's grad KL(pi || ref), k3's (GRPO's) grad KL(ref || pi). Unmasked: aggregation masks.
-
 def kl_k1(*, logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k1 = -r = logp - ref_logp. Unbiased, but negative half the time."""
     return logp - ref_logp
@@ -222,7 +207,6 @@ def entropy(*, logits: Tensor) -> Tensor:
 # ---- aggregation: [B, T] per-token loss -> scalar ----
 # Micro-batches take the step-wide counts (over all micro-batches and ranks), so their gradients sum to the full
 # batch's. Where data parallelism averages gradients over ranks, the trainer multiplies the loss by world size.
-
 def token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
                num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
     """Sum over sampled tokens / num_tokens, the step's sampled-token count (this batch's if None). Every token
@@ -234,8 +218,7 @@ def seq_mean_token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: flo
                         num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
     """Mean over each sequence's sampled tokens, then sum / num_seqs (the step's sequence count; this
     batch's B if None). Original GRPO (https://arxiv.org/abs/2402.03300): every sequence weighs the same."""
-    per_seq = (per_token * loss_mask).sum(-1) / loss_mask.sum(-1).clamp(min=1)  # [B]
-    return per_seq.sum() / (per_token.shape[0] if num_seqs is None else num_seqs)
+    return _masked_mean(per_token, loss_mask, -1).sum() / (per_token.shape[0] if num_seqs is None else num_seqs)
 
 
 def seq_mean_token_sum(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,

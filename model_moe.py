@@ -1,12 +1,10 @@
-"""
-model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch that also runs
+"""model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch that also runs
 Llama and Qwen2 checkpoints (no q/k norm; Qwen2's q/k/v biases; Llama 3 RoPE scaling), GGUF files included.
 Names mirror Hugging Face's, so a checkpoint loads key for key; only experts convert (stacked [E, out, in] here,
 per expert on disk). One forward serves training and generation (a KV cache, one slot per request), so engine and
 trainer run the same code. MoE routing is captured and replayed ("routing replay", arXiv:2510.11370): replay fixes
 which experts run, the router still gets gradient through the combine weights. An optional vision encoder's
-features replace <|image_pad|> placeholders.
-"""
+features replace <|image_pad|> placeholders."""
 import json
 import math
 import os
@@ -145,9 +143,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj, self.up_proj, self.down_proj = (nn.Linear(i, o, bias=False)
+                                                        for i, o in ((dim, hidden), (dim, hidden), (hidden, dim)))
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
