@@ -36,7 +36,8 @@ PY
 import sglang.srt.mem_cache.pool_host.common as m
 src = open(m.__file__).read()
 old = '"xpu": alloc_with_pin_memory_xpu,'
-new = old + '\n        "cpu": lambda dims, dtype, device, *a, **k: torch.empty(dims, dtype=dtype, device=device),  # nanomolt'
+new = old + ('\n        "cpu": lambda dims, dtype, device, *a, **k: '
+             'torch.empty(dims, dtype=dtype, device=device),  # nanomolt')
 if "# nanomolt" not in src:
     assert old in src, "sglang changed: revisit the routed-experts CPU patch in tests/install_sglang.sh"
     open(m.__file__, "w").write(src.replace(old, new))
