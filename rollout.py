@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import datetime
 import functools
 import io
 import itertools
@@ -30,16 +31,18 @@ import sys
 import time
 import traceback
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import agent as agent_mod
-from model_moe import KVCache, ModelConfig, Transformer, save_pretrained
+from model_moe import KVCache, ModelConfig, Transformer, save_pretrained, to_hf_state
 
 
 @dataclass
@@ -353,7 +356,8 @@ async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start
     if servers is not None:
         engine = ServerEngine(cfg.engine, [u for u, _ in servers], logs=[log for _, log in servers],
                               model_config=model_cfg, weights_dir=os.path.join(cfg.out_dir, "engine_weights"),
-                              timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, **sampling)
+                              timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, weights=weights,
+                              lock=lock, sync=cfg.weight_sync, **sampling)
     else:
         if torch.cuda.is_available():  # a copy on the GPU, refreshed from the shared tensors at each new version
             model, source = Transformer(model_cfg).cuda(), weights
@@ -453,17 +457,19 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
 
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir):
-    """Start the rollout process (trainer rank 0). torch: weights are copied to shared memory once and
-    later versions written into them by `publish`. vllm, sglang: weights go to the servers by disk
-    (`write_weights`); the servers are started here (or given by cfg.server_urls) and stopped by `close`."""
+    """Start the rollout process (trainer rank 0). torch, and sglang in memory: weights are copied to shared
+    memory once and later versions written into them by `publish`. vllm, sglang on disk: each version is a
+    directory (`write_weights`). Servers are started here (or given by cfg.server_urls), stopped by `close`."""
     ctx = mp.get_context("spawn")
     shared = servers = write = None
     procs = []
-    if cfg.engine == "torch":
+    memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
+    if cfg.engine == "torch" or memory:
         shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()}
-    else:
+    if cfg.engine != "torch":  # the servers start from the first version's directory
         write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
         procs, servers = start_servers(cfg, write(start_version, weights), moe=model_cfg.num_experts > 0)
+        write = None if memory else write
     version, lock, dropped = ctx.Value("l", start_version), ctx.Lock(), ctx.Value("l", 0)
     out_q = ctx.Queue(maxsize=cfg.queue_size)
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
@@ -494,8 +500,8 @@ class Rollout:
                     raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}); its traceback is above")
 
     def publish(self, state, version):
-        """Hand new weights to the engine as `version`: copied into its shared tensors (torch), or written
-        as a directory the rollout process has the servers load (vllm, sglang)."""
+        """Hand new weights to the engine as `version`: copied into its shared tensors (torch; sglang in
+        memory: the rollout process broadcasts them), or written as a directory the servers load (disk)."""
         if self.write is not None:
             self.write(version, state)
             self.version.value = version
@@ -528,10 +534,14 @@ class Rollout:
 # machines), behind the interface agents already use: `await engine.generate(ids) -> Completion`. Token ids
 # go in and come out, never text; each sampled id comes back with its logprob under the distribution it was
 # drawn from (vLLM: --logprobs-mode processed_logprobs; SGLang's default: after temperature, top-k, top-p).
-# Weights travel by disk: `Rollout.publish` writes a Hugging Face directory per version; the engine stops
-# admitting requests, lets the running ones finish (each request is sampled by one version), has every
-# server load the directory and flush its prefix cache, then reopens. Future work: a path from the
-# trainer's tensors (SGLang update_weights_from_tensor / _from_distributed, vLLM's NCCL weight transfer).
+# New weights: the engine stops admitting requests, lets the running ones finish (so each request is sampled
+# by one version, no pause and resume), moves every server to the new version, then reopens; tokens are
+# tagged with it only from then on. How they move (cfg.weight_sync): SGLang in memory ("gloo" for CPU
+# servers, "nccl" for GPU ones): `Rollout.publish` copies them into tensors shared with the rollout process,
+# which broadcasts them to every server in a process group it forms with them (SGLang's weights-update
+# group: /init_weights_update_group, /update_weights_from_distributed; one rank per server, tp 1). "disk"
+# (vLLM always; servers that cannot join a group): a Hugging Face directory per version, which every server
+# loads, then flushes its prefix cache.
 # Routed experts come back from SGLang (--enable-return-routed-experts) and from vLLM on GPU
 # (--enable-return-routed-experts, model runner v2); where a server returns none, routing is None and
 # the trainer routes freely.
@@ -607,6 +617,23 @@ def sglang_load_weights(url, path, timeout):
     _http(url + "/flush_cache", {}, timeout)
 
 
+def sglang_join(url, rank, world, address, port, backend, timeout):
+    """Have the server join the weights-update group as `rank`; it answers once all `world` ranks have joined.
+    The group is named after the store's port: a server refuses a second group of the same name."""
+    _http(url + "/init_weights_update_group", {"master_address": address, "master_port": port, "rank_offset": rank,
+                                                "world_size": world, "group_name": f"nanomolt{port}", "backend": backend},
+          timeout)
+
+
+def sglang_receive(url, meta, timeout):
+    """Receive one version by broadcast (meta: names, dtypes, shapes, in broadcast order); it answers once
+    every tensor has arrived and the radix cache is flushed. SGLang 0.5.23 refuses the update outside
+    begin/end_weight_update."""
+    _http(url + "/begin_weight_update", {}, timeout)
+    _http(url + "/update_weights_from_distributed", dict(meta, flush_cache=True), timeout)
+    _http(url + "/end_weight_update", {}, timeout)
+
+
 SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weights=vllm_load_weights),
            "sglang": dict(command=sglang_command, generate=sglang_generate, load_weights=sglang_load_weights)}
 
@@ -616,7 +643,8 @@ class ServerEngine:
     `run()` watches the shared version and moves every server to new weights between requests."""
 
     def __init__(self, kind, urls, *, model_config, weights_dir, logs=None, temperature=1.0, top_p=1.0, top_k=0,
-                 max_new_tokens=16, max_len=512, stop_ids=(), seed=0, version=None, timeout=600.0, concurrency=64):
+                 max_new_tokens=16, max_len=512, stop_ids=(), seed=0, version=None, timeout=600.0, concurrency=64,
+                 weights=None, lock=None, sync="disk"):
         self.api, self.urls, self.logs = SERVERS[kind], list(urls), list(logs or [None] * len(urls))
         self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=list(stop_ids))
         self.max_new, self.max_len, self.seed, self.timeout = max_new_tokens, max_len, seed, timeout
@@ -624,6 +652,9 @@ class ServerEngine:
         self.moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
         self.top_k_experts = c.num_experts_per_tok
         self.weights_dir, self.shared_version = weights_dir, version
+        # in-memory sync (sglang): the shared tensors under the servers' names (views: publish updates them)
+        self.hf = to_hf_state(*untied(weights, c)) if weights is not None and sync != "disk" else None
+        self.lock, self.sync, self.group = lock, sync, None
         self.version = version.value if version is not None else 0  # tokens are tagged with it
         self.loaded = None  # the version the servers hold; None: unknown, so run() loads `version` first
         self.open, self.idle = asyncio.Event(), asyncio.Event()  # admitting requests; none in flight
@@ -676,16 +707,19 @@ class ServerEngine:
             raise ServerError(f"server {self.urls[k]} is unreachable ({e}){log_tail(self.logs[k])}") from e
 
     async def run(self):
-        """On a new shared version: close admission, wait for the requests in flight, load the version's
-        directory on every server, reopen. Tokens sampled after that are tagged with it."""
+        """On a new shared version: close admission, wait for the requests in flight, move every server to
+        it (in memory or from its directory), reopen. Tokens sampled after that are tagged with it."""
         while True:
             target = self.shared_version.value if self.shared_version is not None else self.version
             if target != self.loaded:
                 self.open.clear()
                 await self.idle.wait()
-                path = weights_path(self.weights_dir, target)
-                await asyncio.gather(*(self._call(k, self.api["load_weights"], path, self.timeout)
-                                       for k in range(len(self.urls))))
+                if self.hf is not None:
+                    target = await self._sync_in_memory()  # the trainer may have published again meanwhile
+                else:
+                    path = weights_path(self.weights_dir, target)
+                    await asyncio.gather(*(self._call(k, self.api["load_weights"], path, self.timeout)
+                                           for k in range(len(self.urls))))
                 self.version = self.loaded = target
                 for name in os.listdir(self.weights_dir):  # older versions: no server will read them again
                     if name[:1] == "v" and name[1:].isdigit() and int(name[1:]) < target:
@@ -694,19 +728,61 @@ class ServerEngine:
             await asyncio.sleep(0.01)
 
 
+    async def _sync_in_memory(self):
+        """Broadcast the shared tensors to every server -> the version they hold. The first call forms the
+        group: rank 0 here, server k rank k + 1, rendezvous on a TCP store at our address on the route to
+        the servers."""
+        loop, n = asyncio.get_running_loop(), len(self.urls)
+        if self.group is None:
+            u = urllib.parse.urlsplit(self.urls[0])
+            with socket.create_connection((u.hostname, u.port)) as s:
+                address = s.getsockname()[0]
+            store = dist.TCPStore(address, 0, n + 1, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=self.timeout))
+
+            def group():  # SGLang (init_custom_process_group) nests the store in these prefixes; a group made
+                # this way is not registered with torch.distributed: its collectives are called on it directly
+                name = f"nanomolt{store.port}"
+                st = dist.PrefixStore(f"{'cpu' if self.sync == 'gloo' else 'cuda'}/",
+                                      dist.PrefixStore(name + "/", dist.PrefixStore(name, store)))
+                return dist.ProcessGroupGloo(st, 0, n + 1, store.timeout) if self.sync == "gloo" else \
+                    dist.ProcessGroupNCCL(st, 0, n + 1)
+            self.group_name = f"nanomolt{store.port}"
+            self.group, *_ = await asyncio.gather(loop.run_in_executor(self.pool, group), *(
+                self._call(k, sglang_join, k + 1, n + 1, address, store.port, self.sync, self.timeout) for k in range(n)))
+        meta = {"names": list(self.hf), "dtypes": [str(t.dtype).removeprefix("torch.") for t in self.hf.values()],
+                "shapes": [list(t.shape) for t in self.hf.values()], "group_name": self.group_name}
+        version, *_ = await asyncio.gather(loop.run_in_executor(self.pool, self._broadcast),
+                                           *(self._call(k, sglang_receive, meta, self.timeout) for k in range(n)))
+        return version
+
+    def _broadcast(self):
+        """In a thread, under the weights lock (the trainer never writes mid-broadcast) -> their version."""
+        with self.lock:
+            for t in self.hf.values():
+                self.group.broadcast(t.contiguous() if self.sync == "gloo" else t.cuda(), 0).wait()
+            return self.shared_version.value
+
+
+def untied(state, model_cfg):
+    """(state, config) as servers take them: lm_head its own tensor (vLLM's in-place reload does not load a
+    tied one)."""
+    return (dict(state, **{"lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"])}),
+            dataclasses.replace(model_cfg, tie_word_embeddings=False))
+
+
 def weights_path(weights_dir, version):
     return os.path.join(weights_dir, f"v{version}")
 
 
 def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     """The trainer's full state dict as a Hugging Face directory `<weights_dir>/v<version>`, written under a
-    temporary name and renamed (no server reads half of one). The embeddings are written untied, lm_head as
-    its own tensor: vLLM's in-place reload does not load a tied lm_head. -> its path"""
+    temporary name and renamed (no server reads half of one), embeddings `untied`. -> its path"""
     final = weights_path(weights_dir, version)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    state = dict(state, **{"lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"]).clone()})
-    save_pretrained(tmp, dataclasses.replace(model_cfg, tie_word_embeddings=False), state)
+    state, c = untied(state, model_cfg)
+    save_pretrained(tmp, c, dict(state, **{"lm_head.weight": state["lm_head.weight"].clone()}))  # no shared memory
     for f in os.listdir(tokenizer_dir):
         if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(os.path.join(tokenizer_dir, f), tmp)

@@ -2,8 +2,8 @@
 
 PyPI has no CPU build of sgl_kernel, yet with SGLANG_USE_CPU_ENGINE=1 sglang 0.5.23 imports two CPU ops from
 it at start-up; every other layer takes its torch-native path when the AMX kernels are absent. These two are
-written here in plain torch from what their call sites expect; anything else asked of this module raises, so
-sglang can never take a silently wrong path through it. tests/test_servers.py puts tests/sglang_cpu on the
+written here in plain torch from what their call sites expect; any other op it is asked for raises when called,
+so sglang can never take a silently wrong path through it. tests/test_servers.py puts tests/sglang_cpu on the
 server's PYTHONPATH.
 """
 import ctypes
@@ -33,7 +33,12 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
 
 
 def __getattr__(name):
+    """Other CPU ops sglang imports at start-up for paths these tests never take (speculative decoding, ...):
+    importable, but calling one raises."""
     if name.startswith("__"):  # module protocol probes (__version__, ...): the ordinary answer
         raise AttributeError(name)
-    raise NotImplementedError(f"sgl_kernel.{name}: the CPU stand-in in tests/sglang_cpu provides only "
-                              "assign_req_to_token_pool_cpu and copy_all_layer_kv_cache_cpu")
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError(f"sgl_kernel.{name}: the CPU stand-in in tests/sglang_cpu provides only "
+                                  "assign_req_to_token_pool_cpu and copy_all_layer_kv_cache_cpu")
+    return missing
