@@ -23,7 +23,7 @@ import agent
 import config
 import rollout
 from model_moe import ModelConfig, Transformer
-from rollout import ServerEngine, ServerError, TorchEngine, start_server, stop_server, weights_path, write_weights
+from rollout import ServerEngine, ServerError, TorchEngine, start_server, stop_server, write_weights
 from test_rollout import Counter, collect, drive  # the producer and engine loop, as the rollout runs them
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +85,9 @@ class FakeSGLang:
                     fake.loaded = body["model_path"]
                     self.reply(200, {"success": True, "message": "Succeeded to update model weights.",
                                      "num_paused_requests": 0})
+                elif self.path == "/init_weights_update_group":  # as a server on a host that cannot reach us
+                    self.reply(400, {"success": False, "message": "Failed to initialize custom process group: "
+                                     "The client socket has timed out after 3000ms while trying to connect"})
                 elif self.path == "/flush_cache":
                     self.reply(200, "Cache flushed.\nPlease check backend logs for more details.\n")
                 else:
@@ -148,7 +151,7 @@ def test_sglang_request_and_response_shapes(tmp_path):
     comp = drive(e, lambda: e.generate(prompt))
     # first the servers load the current version, then the request
     assert fake.calls("/update_weights_from_disk")[0]["model_path"] == str(tmp_path / "engine_weights" / "v0")
-    assert [p for p, _ in fake.requests[:2]] == ["/update_weights_from_disk", "/flush_cache"]
+    assert fake.requests[0][0] == "/update_weights_from_disk" and fake.requests[0][1]["flush_cache"] is True
     body = fake.calls("/generate")[0]
     assert body["input_ids"] == prompt and body["return_logprob"] is True and body["return_routed_experts"] is True
     sp = body["sampling_params"]
@@ -230,8 +233,7 @@ def test_weight_update_waits_for_running_requests_and_tags_versions(tmp_path):
     assert after.versions == [1] * len(after.ids) and after.ids != first.ids  # sampled by the new weights
     for f in fakes:
         assert f.loaded == str(wdir / "v1")
-        paths = [p for p, _ in f.requests]
-        assert paths.index("/flush_cache", paths.index("/update_weights_from_disk", 2)) > 0  # flushed after v1
+        assert all(b["flush_cache"] for b in f.calls("/update_weights_from_disk"))  # no prefix of old weights reused
     assert not (wdir / "v0").exists()  # older versions are deleted once every server holds a newer one
     for f in fakes:
         f.close()
@@ -243,6 +245,19 @@ def test_failed_weight_update_is_a_server_error(tmp_path):
     e = sglang_engine([fake], tmp_path, tiny_config(384))
     with pytest.raises(ServerError, match="answered 400.*shape mismatch"):
         drive(e, lambda: asyncio.sleep(5))
+    fake.close()
+
+
+def test_server_that_cannot_join_the_weights_group_is_a_server_error(tmp_path):
+    c = tiny_config(384)
+    fake = FakeSGLang(384)
+    weights = Transformer(c).state_dict()
+    e = sglang_engine([fake], tmp_path, c, weights=weights, lock=threading.Lock(), sync="gloo", timeout=3)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="answered 400.*Failed to initialize custom process group"):
+        drive(e, lambda: e.generate([1, 2]))
+    assert time.monotonic() - t0 < 3  # the error comes at once, not after the group's timeout
+    assert fake.calls("/init_weights_update_group")[0]["rank_offset"] == 1 and not fake.calls("/generate")
     fake.close()
 
 
@@ -574,8 +589,8 @@ def test_sglang_weight_update_takes_effect_after_running_requests(sglang_server,
     assert during.ids == greedy_torch(old, [long_prompt], stop, n=200)[0] and during.versions == [0] * len(during.ids)
     assert [c.ids for c in after] == greedy_torch(new, prompts, stop) != [c.ids for c in before]
     assert all(c.versions == [1] * len(c.ids) for c in after)
-    assert os.path.exists(weights_path(s["wdir"], 1)) != memory  # in memory: no directory written
-    shutil.rmtree(weights_path(s["wdir"], 1), ignore_errors=True)
+    assert os.path.exists(os.path.join(s["wdir"], "v1")) != memory  # in memory: no directory written
+    shutil.rmtree(os.path.join(s["wdir"], "v1"), ignore_errors=True)
 
 
 @pytest.mark.slow
