@@ -477,6 +477,8 @@ SGLANG = {"cpu": dict(args="--device cpu --attention-backend torch_native --disa
 def sglang_skip(device):
     if not os.path.exists(SGLANG_PYTHON):
         return f"sglang not installed at {SGLANG_PYTHON}: run tests/install_sglang.sh"
+    if device == "cpu" and not os.path.exists(os.path.join(os.path.dirname(SGLANG_PYTHON), "..", ".nanomolt-patched")):
+        return "the CPU variant needs the venv of tests/install_sglang.sh (its routed-experts patch for CPU)"
     if device == "cuda" and not torch.cuda.is_available():
         return "the GPU variant of the SGLang tests needs a GPU (and the Dockerfile's image)"
     return None
@@ -508,7 +510,8 @@ def sglang_server(request, tmp_path_factory, tok_dir, tok):
     with pytest.MonkeyPatch.context() as mp:
         for k, v in SGLANG[device]["env"].items():
             mp.setenv(k, v)
-        proc, url = start_server("sglang", write_weights(wdir, c, tok_dir, 0, model.state_dict()), cfg, log, moe=experts > 0)
+        first = write_weights(wdir, c, tok_dir, 0, model.state_dict())
+        proc, url = start_server("sglang", first, cfg, log, moe=experts > 0)
     print(f"SGLang server ({device}, experts={experts}) healthy after {time.monotonic() - t0:.0f}s")
     yield dict(proc=proc, url=url, log=log, cfg=c, model=model, wdir=wdir, sync=SGLANG[device]["sync"])
     stop_server(proc)
