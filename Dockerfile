@@ -5,7 +5,11 @@
 #   docker build -t nanomolt .
 #   docker run --gpus all --ipc=host -v /models:/models -v $PWD/out:/nanomolt/out nanomolt \
 #     torchrun --standalone --nproc_per_node=7 train.py --config configs/qwen3_0p6b_gpu.py \
-#       --engine=sglang --server_python=/opt/sglang/bin/python --server_args="--base-gpu-id 7 --dtype bfloat16"
+#       --engine=sglang --server_python=/opt/sglang/bin/python --server_args="--base-gpu-id 7 --dtype bfloat16" \
+#       --weight_sync=nccl
+# New weights reach SGLang in memory (--weight_sync=nccl: a broadcast from the trainer host's rollout process);
+# --weight_sync=disk for servers that cannot join that group. The SGLang tests, GPU variants included:
+#   docker run --gpus all --ipc=host nanomolt python -m pytest -q tests/test_servers.py -k sglang
 FROM nvidia/cuda:13.0.1-devel-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1

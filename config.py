@@ -43,6 +43,7 @@ class Config:
     server_python: str = ""  # interpreter that runs the server (its own venv); empty = this one
     server_timeout: float = 600.0  # seconds to wait for a server to become healthy (and for one request)
     server_args: str = ""  # extra command-line arguments for a server started here, e.g. "--enforce-eager"
+    weight_sync: str = "gloo"  # sglang: weights in memory over gloo (CPU servers) or nccl (GPU ones), or disk
     # ---- agents and tasks ----
     task: str = "guess"  # guess | calc | arith | count | path/to/agent.py (a file defining `async def run(task, llm)`)
     task_file: str = ""  # JSONL, one JSON object per prompt, merged into the task dict (e.g. {"a": 3, "b": 4})
@@ -88,6 +89,7 @@ class Config:
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
         checks = [
             ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
+            ("weight_sync", self.weight_sync in ("gloo", "nccl", "disk"), "must be gloo, nccl or disk"),
             ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),

@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import datetime
 import functools
 import io
 import itertools
@@ -30,17 +31,19 @@ import sys
 import time
 import traceback
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import agent as agent_mod
 import endpoint
-from model_moe import KVCache, ModelConfig, Transformer, save_pretrained
+from model_moe import KVCache, Transformer, save_pretrained, to_hf_state
 
 
 @dataclass
@@ -426,7 +429,8 @@ async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start
     if servers is not None:
         engine = ServerEngine(cfg.engine, [u for u, _ in servers], logs=[log for _, log in servers],
                               model_config=model_cfg, weights_dir=os.path.join(cfg.out_dir, "engine_weights"),
-                              timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, **sampling)
+                              timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, weights=weights,
+                              lock=lock, sync=cfg.weight_sync, **sampling)
     else:
         dtype = getattr(torch, cfg.dtype)  # the compute dtype, as in the trainer
         if torch.cuda.is_available() or dtype != torch.float32:  # a copy, refreshed from the shared tensors
@@ -543,15 +547,16 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
 
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, counts=None):
-    """Start the rollout process (trainer rank 0). torch: weights are copied to shared memory once and
-    later versions written into them by `publish`. vllm, sglang: weights go to the servers by disk
-    (`write_weights`); the servers are started here (or given by cfg.server_urls) and stopped by `close`."""
+    """Start the rollout process (trainer rank 0). torch, and sglang in memory: weights are copied to shared
+    memory once and later versions written into them by `publish`. vllm, sglang on disk: each version is a
+    directory (`write_weights`). Servers are started here (or given by cfg.server_urls), stopped by `close`."""
     ctx = mp.get_context("spawn")
     shared = servers = write = None
     procs = []
-    if cfg.engine == "torch":
+    memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
+    if cfg.engine == "torch" or memory:
         shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()}
-    else:
+    if cfg.engine != "torch":  # the servers start from the first version's directory
         write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
         procs, servers = start_servers(cfg, write(start_version, weights), moe=model_cfg.num_experts > 0)
     version, lock, dropped = ctx.Value("l", start_version), ctx.Lock(), ctx.Value("l", 0)
@@ -560,7 +565,7 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
                        args=(cfg, model_cfg, shared, version, lock, out_q, dropped, start_index, tokenizer_dir, servers,
                              counts))
     proc.start()
-    return Rollout(proc, out_q, shared, version, lock, dropped, procs, write)
+    return Rollout(proc, out_q, shared, version, lock, dropped, procs, None if memory else write)
 
 
 class Rollout:
@@ -587,8 +592,8 @@ class Rollout:
             return None
 
     def publish(self, state, version):
-        """Hand new weights to the engine as `version`: copied into its shared tensors (torch), or written
-        as a directory the rollout process has the servers load (vllm, sglang)."""
+        """Hand new weights to the engine as `version`: copied into its shared tensors (torch; sglang in
+        memory: the rollout process broadcasts them), or written as a directory the servers load (disk)."""
         if self.write is not None:
             self.write(version, state)
             self.version.value = version
@@ -617,17 +622,11 @@ class Rollout:
 
 
 # ---- server engines: vLLM and SGLang over HTTP ----
-# Generation by inference servers (their own processes, under their own Python if need be, or on other
-# machines), behind the interface agents already use: `await engine.generate(ids) -> Completion`. Token ids
-# go in and come out, never text; each sampled id comes back with its logprob under the distribution it was
-# drawn from (vLLM: --logprobs-mode processed_logprobs; SGLang's default: after temperature, top-k, top-p).
-# Weights travel by disk: `Rollout.publish` writes a Hugging Face directory per version; the engine stops
-# admitting requests, lets the running ones finish (each request is sampled by one version), has every
-# server load the directory and flush its prefix cache, then reopens. Future work: a path from the
-# trainer's tensors (SGLang update_weights_from_tensor / _from_distributed, vLLM's NCCL weight transfer).
-# Routed experts come back from SGLang (--enable-return-routed-experts) and from vLLM on GPU
-# (--enable-return-routed-experts, model runner v2); where a server returns none, routing is None and
-# the trainer routes freely.
+# Servers (own processes, own Python, or other machines) behind `await generate(ids)`: ids in and out, each with
+# its logprob (of the distribution sampled from) and routed experts. New weights: admission closes, running
+# requests finish under the old version (no pause/resume), every server moves to the new one, admission reopens.
+# weight_sync "gloo" (CPU servers) / "nccl" (GPU): SGLang in memory, the rollout process broadcasting the shared
+# tensors `publish` fills (rank 0; server k: rank k + 1, tp 1). "disk" (vLLM; others): a directory per version.
 
 class ServerError(RuntimeError):
     """A server died, is unreachable or refused a call: the rollout stops (a dead server is never a hang)."""
@@ -639,16 +638,16 @@ def _http(url, body=None, timeout=600.0):
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         text = r.read().decode()
-    try:
+    with contextlib.suppress(ValueError):
         return json.loads(text)
-    except ValueError:
-        return text
+    return text
 
 
 def vllm_command(model_dir, port, cfg, moe):
     """-> (arguments after the interpreter, environment) that start vLLM's OpenAI-compatible server."""
-    argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", cfg.dtype, "--max-model-len", str(cfg.engine_max_len), "--seed", str(cfg.seed),
+    argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", cfg.dtype, "--max-model-len", str(cfg.engine_max_len),
+            "--seed", str(cfg.seed),
             "--logprobs-mode", "processed_logprobs",  # the logprob of the distribution sampled from
             "--generation-config", "vllm"]  # no sampling defaults from the checkpoint: ours are explicit
     # dev mode serves /pause, /resume, /collective_rpc, /reset_prefix_cache; the CPU build needs a KV size (GiB)
@@ -693,11 +692,14 @@ def sglang_generate(url, ids, p, timeout):
     return [t[1] for t in out], [t[0] for t in out], experts and np.frombuffer(base64.b64decode(experts), np.int32)
 
 
-def sglang_load_weights(url, path, timeout):
-    """Load `path` in place (it waits for running requests and flushes the radix cache), then flush again
-    to be sure: a cached prefix computed by the old weights must not be reused."""
+def sglang_load_weights(url, path, timeout):  # also flushes the radix cache: no prefix of the old weights is reused
     _http(url + "/update_weights_from_disk", {"model_path": path, "flush_cache": True}, timeout)
-    _http(url + "/flush_cache", {}, timeout)
+
+
+def sglang_receive(url, meta, timeout):
+    """Take one version by broadcast (meta: names, dtypes, shapes in broadcast order); 0.5.23 needs begin/end."""
+    for path in ("begin_weight_update", "update_weights_from_distributed", "end_weight_update"):
+        _http(f"{url}/{path}", meta if path.startswith("update") else {}, timeout)
 
 
 SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weights=vllm_load_weights),
@@ -705,25 +707,29 @@ SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weigh
 
 
 class ServerEngine:
-    """Agents' requests go round-robin to the servers (data parallel), one HTTP call each in a thread.
-    `run()` watches the shared version and moves every server to new weights between requests."""
+    """Round-robin over the servers (data parallel), one HTTP call per request in a thread; run() swaps weights."""
 
     def __init__(self, kind, urls, *, model_config, weights_dir, logs=None, temperature=1.0, top_p=1.0, top_k=0,
-                 max_new_tokens=16, max_len=512, stop_ids=(), seed=0, version=None, timeout=600.0, concurrency=64):
+                 max_new_tokens=16, max_len=512, stop_ids=(), seed=0, version=None, timeout=600.0, concurrency=64,
+                 weights=None, lock=None, sync="disk"):
         self.api, self.urls, self.logs = SERVERS[kind], list(urls), list(logs or [None] * len(urls))
-        self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=list(stop_ids))
-        self.max_new, self.max_len, self.seed, self.timeout = max_new_tokens, max_len, seed, timeout
-        c = model_config
+        c, self.top_k = model_config, model_config.num_experts_per_tok
         self.moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
-        self.top_k_experts = c.num_experts_per_tok
+        self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=list(stop_ids),
+                           experts=bool(self.moe_layers))
+        self.max_new, self.max_len, self.seed, self.timeout = max_new_tokens, max_len, seed, timeout
         self.weights_dir, self.shared_version = weights_dir, version
+        self.hf = None  # in-memory sync (sglang): the shared tensors under the servers' names (views), as written
+        if weights is not None and sync != "disk":  # by write_weights: lm_head its own tensor
+            lm_head = {"lm_head.weight": weights.get("lm_head.weight", weights["model.embed_tokens.weight"])}
+            self.hf = to_hf_state(weights | lm_head, dataclasses.replace(c, tie_word_embeddings=False))
+        self.lock, self.sync, self.group, self.meta = lock, sync, None, None
         self.version = version.value if version is not None else 0  # tokens are tagged with it
         self.loaded = None  # the version the servers hold; None: unknown, so run() loads `version` first
         self.open, self.idle = asyncio.Event(), asyncio.Event()  # admitting requests; none in flight
         self.idle.set()
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
-        self.calls, self.in_flight, self.t_busy = itertools.count(), 0, 0.0
-        self.tokens_generated, self.busy_s = 0, 0.0
+        self.calls, self.in_flight, self.t_busy, self.tokens_generated, self.busy_s = itertools.count(), 0, 0.0, 0, 0.0
 
     async def generate(self, ids, max_new_tokens=None) -> Completion:
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
@@ -731,16 +737,16 @@ class ServerEngine:
             raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
         await self.open.wait()  # closed while the servers change weights
         version, i = self.version, next(self.calls)
-        p = dict(self.params, max_new_tokens=max_new, seed=(self.seed * 1_000_003 + i) % 2**31, experts=bool(self.moe_layers))
+        p = dict(self.params, max_new_tokens=max_new, seed=(self.seed * 1_000_003 + i) % 2**31)
         self._count(+1)
         try:
-            out, logprobs, experts = await self._call(i % len(self.urls), self.api["generate"], list(ids), p, self.timeout)
+            out, logprobs, experts = await self._call(i % len(self.urls), self.api["generate"], [*ids], p, self.timeout)
         finally:
             self._count(-1)
         self.tokens_generated += len(out)
         routing = None
         if experts is not None and self.moe_layers:  # every fed position: (T-1, layers, k)
-            routing = torch.from_numpy(experts.astype(np.int16)).reshape(len(ids) + len(out) - 1, -1, self.top_k_experts)
+            routing = torch.from_numpy(experts.astype(np.int16)).reshape(len(ids) + len(out) - 1, -1, self.top_k)
             if routing.shape[1] != len(self.moe_layers):  # a row per layer of the model: keep the MoE ones
                 routing = routing[:, self.moe_layers]
             # (T, n_moe_layers, k) as Completion has it: -1 for the last sampled token, never fed
@@ -750,13 +756,9 @@ class ServerEngine:
     def _count(self, d):
         """Requests in flight: busy_s is the time with at least one; `idle` is set when there are none."""
         now = time.perf_counter()
-        if self.in_flight:
-            self.busy_s += now - self.t_busy
+        self.busy_s += now - self.t_busy if self.in_flight else 0.0
         self.in_flight, self.t_busy = self.in_flight + d, now
-        if self.in_flight == 0:
-            self.idle.set()
-        else:
-            self.idle.clear()
+        self.idle.set() if self.in_flight == 0 else self.idle.clear()
 
     async def _call(self, k, fn, *args):
         """fn(url of server k, *args) in a thread; any failure is a ServerError naming the server, with its log."""
@@ -769,16 +771,19 @@ class ServerEngine:
             raise ServerError(f"server {self.urls[k]} is unreachable ({e}){log_tail(self.logs[k])}") from e
 
     async def run(self):
-        """On a new shared version: close admission, wait for the requests in flight, load the version's
-        directory on every server, reopen. Tokens sampled after that are tagged with it."""
+        """On a new shared version: close admission, wait for the requests in flight, move every server to
+        it (in memory or from its directory), reopen. Tokens sampled after that are tagged with it."""
         while True:
             target = self.shared_version.value if self.shared_version is not None else self.version
             if target != self.loaded:
                 self.open.clear()
                 await self.idle.wait()
-                path = weights_path(self.weights_dir, target)
-                await asyncio.gather(*(self._call(k, self.api["load_weights"], path, self.timeout)
-                                       for k in range(len(self.urls))))
+                if self.hf is not None:
+                    target = await self._sync_in_memory()  # the trainer may have published again meanwhile
+                else:
+                    path = os.path.join(self.weights_dir, f"v{target}")
+                    await asyncio.gather(*(self._call(k, self.api["load_weights"], path, self.timeout)
+                                           for k in range(len(self.urls))))
                 self.version = self.loaded = target
                 for name in os.listdir(self.weights_dir):  # older versions: no server will read them again
                     if name[:1] == "v" and name[1:].isdigit() and int(name[1:]) < target:
@@ -786,16 +791,43 @@ class ServerEngine:
             self.open.set()
             await asyncio.sleep(0.01)
 
+    async def _sync_in_memory(self):
+        """Broadcast the shared tensors to every server -> their version. The first call forms the group."""
+        loop, n, gloo = asyncio.get_running_loop(), len(self.urls), self.sync == "gloo"
+        if self.group is None:
+            with socket.create_connection(urllib.parse.urlsplit(self.urls[0]).netloc.rsplit(":", 1)) as s:
+                address = s.getsockname()[0]  # ours, on the route to the servers: where they find the store
+            td = datetime.timedelta(0, self.timeout)
+            store = dist.TCPStore(address, 0, n + 1, True, td, wait_for_workers=False)
+            name = f"nanomolt{store.port}"  # a server refuses a second group of one name
+            join = {"master_address": address, "master_port": store.port, "world_size": n + 1, "backend": self.sync,
+                    "group_name": name}
+            # SGLang (init_custom_process_group) nests the store in these prefixes; a group made this way is not
+            # registered with torch.distributed: its collectives are called on it directly
+            for prefix in (name, name + "/", "cpu/" if gloo else "cuda/"):
+                store = dist.PrefixStore(prefix, store)
+            make = functools.partial(dist.ProcessGroupGloo, timeout=td) if gloo else dist.ProcessGroupNCCL
+            self.group, *_ = await asyncio.gather(loop.run_in_executor(self.pool, make, store, 0, n + 1), *(self._call(
+                k, lambda url, body: _http(url + "/init_weights_update_group", body, self.timeout),
+                dict(join, rank_offset=k + 1)) for k in range(n)))  # each join answers once all ranks joined
+            self.meta = {"names": list(self.hf), "dtypes": [str(t.dtype)[6:] for t in self.hf.values()],  # "torch.x"
+                         "shapes": [list(t.shape) for t in self.hf.values()], "group_name": name, "flush_cache": True}
 
-def weights_path(weights_dir, version):
-    return os.path.join(weights_dir, f"v{version}")
+        def broadcast():  # in a thread, under the weights lock (the trainer never writes mid-broadcast)
+            with self.lock:
+                for t in self.hf.values():
+                    self.group.broadcast(t.contiguous() if gloo else t.cuda(), 0).wait()
+                return self.shared_version.value
+        version, *_ = await asyncio.gather(loop.run_in_executor(self.pool, broadcast), *(
+            self._call(k, sglang_receive, self.meta, self.timeout) for k in range(n)))
+        return version
 
 
 def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     """The trainer's full state dict as a Hugging Face directory `<weights_dir>/v<version>`, written under a
     temporary name and renamed (no server reads half of one). The embeddings are written untied, lm_head as
     its own tensor: vLLM's in-place reload does not load a tied lm_head. -> its path"""
-    final = weights_path(weights_dir, version)
+    final = os.path.join(weights_dir, f"v{version}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     state = dict(state, **{"lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"]).clone()})
@@ -841,17 +873,13 @@ def start_server(kind, model_dir, cfg, log, moe=False):
 
 def wait_healthy(url, timeout, proc=None, log=None):
     deadline = time.monotonic() + timeout
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise ServerError(f"server {url} exited with code {proc.returncode} while starting{log_tail(log)}")
-        try:
-            _http(url + "/health", timeout=5)
-            return
-        except OSError:  # not listening yet, or 503 while loading
-            pass
+    while proc is None or proc.poll() is None:
+        with contextlib.suppress(OSError):  # not listening yet, or 503 while loading
+            return _http(url + "/health", timeout=5)
         if time.monotonic() > deadline:
             raise ServerError(f"server {url} not healthy after {timeout:.0f}s (server_timeout){log_tail(log)}")
         time.sleep(1)
+    raise ServerError(f"server {url} exited with code {proc.returncode} while starting{log_tail(log)}")
 
 
 def stop_server(proc):
