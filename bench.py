@@ -1,9 +1,8 @@
 """
 bench.py: the numbers README's "Performance" section quotes, each as measured, baseline and ratio.
     python bench.py [engine|overlap|parity|trainer|flops|moe|publish|all] [--quick] [--threads N]
-engine (default) on all cores; overlap, parity: train.py runs; the others in-process on CPU 0, one thread.
-scale and memory were last run by bench.py at commit 8482101. On a shared machine run one section at a time:
-flock /tmp/nanomolt-cpu.lock python bench.py overlap
+engine (default) on all cores; the others on CPU 0, one thread (scale, memory: last run by bench.py at 8482101).
+On a shared machine run one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py overlap
 """
 import argparse
 import asyncio
@@ -42,22 +41,20 @@ def table(title, header, rows):
 
 
 def timed(fns, n, best=False):
-    """{name: call} -> {name: (wall s, CPU s)}, the median (best: minimum) of n interleaved rounds after a warm-up."""
+    """{name: call} -> {name: wall s}, the median (best: minimum) of n interleaved rounds after a warm-up call."""
     for f in fns.values():
         f()
     ts = {k: [] for k in fns}
     for _ in range(n):
         for k, f in fns.items():
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0 = time.perf_counter()
             f()
-            ts[k].append((time.perf_counter() - t0, time.process_time() - c0))
-    return {k: tuple(map(min if best else med, zip(*v))) for k, v in ts.items()}
+            ts[k].append(time.perf_counter() - t0)
+    return {k: (min if best else med)(v) for k, v in ts.items()}
 
-
-# ---- training sections: train.py as a subprocess, the trainer on CPU 0 (inherited), its rollout on CPU 1 ----
 
 def run_train(overrides):
-    """train.py on the default recipe plus overrides in a temporary out_dir -> (metrics, wall s)."""
+    """train.py + overrides in a temporary out_dir, trainer on CPU 0 (inherited), rollout on CPU 1 -> (metrics, s)."""
     with tempfile.TemporaryDirectory() as d, open(os.path.join(d, "log"), "w+") as log:
         t0 = time.perf_counter()
         p = subprocess.Popen([sys.executable, "train.py", *GUESS, f"--out_dir={d}", *overrides], stdout=log, stderr=log)
@@ -75,18 +72,18 @@ def run_train(overrides):
 
 
 def bench_overlap():
-    """The baseline of async is the same run with max_staleness=0 (synchronous RL), interleaved with it."""
+    """The baseline of async is the same run at max_staleness=0 (synchronous RL), interleaved with it."""
     steps, warm, repeats = (14, 4, 1) if args.quick else (40, 10, 3)
-    runs = []
+    sync, asyn = [], []  # steps after warm-up, pooled over the repeats
     for _ in range(repeats):
-        sync, asyn = (run_train([f"--max_steps={steps}", f"--max_staleness={s}"])[0][warm:] for s in (0, 1))
-        # sync: batch v+1 starts once weights v+1 are out, so the trainer's wait is a batch's generation time
-        gen, trn = med(m["time/wait_rollout"] for m in sync), med(m["time/step"] - m["time/wait_rollout"] for m in sync)
-        sps, aps = (len(ms) / sum(m["time/step"] for m in ms) for ms in (sync, asyn))
-        runs.append(dict(gen=gen, trn=trn, sync=sps, asyn=aps, x=aps / sps, ideal=(gen + trn) / max(gen, trn),
-                         wait=med(m["time/wait_rollout"] for m in asyn), atrn=med(m["time/train"] for m in asyn)))
-    r = {k: med(x[k] for x in runs) for k in runs[0]}
-    table(f"async overlap: steps {warm + 1}..{steps}, median of {repeats} interleaved sync/async pairs",
+        for staleness, ms in ((0, sync), (1, asyn)):
+            ms += run_train([f"--max_steps={steps}", f"--max_staleness={staleness}"])[0][warm:]
+    # sync: batch v+1 starts once weights v+1 are out, so the trainer's wait is a batch's generation time
+    gen, trn = med(m["time/wait_rollout"] for m in sync), med(m["time/step"] - m["time/wait_rollout"] for m in sync)
+    sps, aps = (len(ms) / sum(m["time/step"] for m in ms) for ms in (sync, asyn))
+    r = dict(gen=gen, trn=trn, sync=sps, asyn=aps, x=aps / sps, ideal=(gen + trn) / max(gen, trn),
+             wait=med(m["time/wait_rollout"] for m in asyn), atrn=med(m["time/train"] for m in asyn))
+    table(f"async overlap: steps {warm + 1}..{steps} of {repeats} interleaved sync/async pairs, medians",
           ["measure", "measured", "baseline", "ratio", "target"],
           [(what, f"{r[a]:.3f}", f"{r[b]:.3f}", f"{r[a] / r[b]:.2f}", target) for what, a, b, target in (
               ("generation of a batch (sync) / train step, s", "gen", "trn", ""),
@@ -112,17 +109,14 @@ def bench_parity():
             for name, (a, s, wa, ws) in [*zip(range(seeds), runs), ("mean", list(map(mean, zip(*runs))))]]
     rows += [("sd", f"{stdev(fa):.3f}", f"{stdev(fs):.3f}", "target: mean within ±0.05"),
              ("Welch t-test", f"t = {t:+.2f}", f"df = {df:.1f}", f"p = {max(0.0, p):.2f} (target > 0.05)")]
-    table(f"learning parity: --max_steps={steps}, final reward = mean of the last {last} steps",
-          ["seed", "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall",
-           "wall ratio"], rows)
+    table(f"learning parity: --max_steps={steps}, final reward = mean of the last {last} steps", ["seed",
+          "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall", "ratio"], rows)
 
-
-# ---- in-process sections: one real batch of the default recipe, on the trainer's core, one thread ----
 
 @functools.cache
 def setup(width=128):
-    """The default recipe at tiny_hidden=width, built, and one batch sampled, by train.py's and rollout.py's code ->
-    {cfg, model, msgs, adv, share, and the timed calls step, publish (to shared memory), disk (write_weights)}."""
+    """The default recipe at tiny_hidden=width and a batch it sampled, by train.py's and rollout.py's code -> {cfg,
+    model, msgs, adv, share; timed calls: step, publish (to shared memory, as for torch), disk (as for servers)}."""
     d = tempfile.mkdtemp()  # lives as long as this process: the cached setup uses it
     cfg = config.load([*GUESS, f"--out_dir={d}", f"--tiny_hidden={width}"])
     init = train.tiny_init(cfg, 0, False)
@@ -144,8 +138,7 @@ def setup(width=128):
 
 
 def bench_trainer():
-    """The baseline is the loop one writes first: forward, a policy-gradient loss, backward, AdamW, on the batch
-    padded into ready-made tensors, no recompute of routing, no micro-batches, no weight publish."""
+    """The baseline is the loop one writes first: on ready-made padded tensors, a policy-gradient step, no publish."""
     s = setup()
     plain_model = copy.deepcopy(s["model"])
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=s["cfg"].lr)
@@ -160,9 +153,8 @@ def bench_trainer():
         plain_opt.step()
     t = timed({"full": lambda: (s["step"](), s["publish"]()), "plain": plain}, 3 if args.quick else 10)
     table(f"trainer overhead: {len(ids)} episodes, {tokens} tokens, the plain loop pads to {tuple(ids.shape)}",
-          ["measure", "measured", "plain loop (baseline)", "ratio", "target"],
-          [("train.train_step + publish, tok/s", f"{tokens / t['full'][0]:,.0f}", f"{tokens / t['plain'][0]:,.0f}",
-            f"{t['plain'][0] / t['full'][0]:.2f}", ">= 0.90")])
+          ["measure", "measured", "plain loop (baseline)", "ratio", "target"], [("train_step + publish, tok/s",
+           f"{tokens / t['full']:,.0f}", f"{tokens / t['plain']:,.0f}", f"{t['plain'] / t['full']:.2f}", ">= 0.90")])
 
 
 def step_flops(c, mb):
@@ -181,9 +173,9 @@ def bench_flops():
     n, rows, a = 2 if args.quick else 5, [], torch.randn(2048, 2048)
     for width in (128,) if args.quick else (128, 256, 512):
         s = setup(width)
-        peak = 2 * 2048 ** 3 / timed({"mm": lambda: a @ a}, 3 * n, best=True)["mm"][0]  # FLOP/s
+        peak = 2 * 2048 ** 3 / timed({"mm": lambda: a @ a}, 3 * n, best=True)["mm"]  # FLOP/s
         flops = sum(step_flops(s["model"].config, mb) for mini in s["share"]["mini_batches"] for mb in mini)
-        fl = flops / timed({"step": s["step"]}, n)["step"][0]
+        fl = flops / timed({"step": s["step"]}, n)["step"]
         rows.append((f"tiny_hidden={width} ({sum(p.numel() for p in s['model'].parameters()) / 1e6:.1f}M params)",
                      f"{fl / 1e9:.1f}", f"{peak / 1e9:.1f}", f"{fl / peak:.0%}", ">= 50%" if width == 128 else ""))
     table(f"hardware use: train_step FLOP/s (median of {n}) vs a 2048x2048 fp32 matmul (best of {3 * n})",
@@ -191,29 +183,27 @@ def bench_flops():
 
 
 def bench_moe():
-    """Two baselines: the simple way to write a MoE (each expert over every token, weighted by its combine weight,
-    0 where not routed), and a dense MLP as wide as the MoE's active parameters per token."""
+    """Two baselines: the MoE as first written (naive), and a dense MLP as wide as its active parameters per token."""
     n, rows = 3 if args.quick else 10, []
 
-    def naive(m, x):
+    def naive(m, x):  # every expert over every token, times its combine weight (0 where not routed)
         probs = F.softmax(m.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
         w, e = probs.topk(m.top_k, dim=-1)
         comb = torch.zeros_like(probs).scatter(-1, e, w / w.sum(-1, keepdim=True) if m.norm_topk_prob else w)
         return sum(comb[:, j:j + 1] * ((F.silu(x @ m.w_gate[j].T) * (x @ m.w_up[j].T)) @ m.w_down[j].T)
                    for j in range(m.w_gate.shape[0]))
     for H in (128, 512):
-        moe = MoE(ModelConfig(hidden_size=H, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=H))
-        dense = MLP(H, 2 * H)
+        moe, dense = MoE(ModelConfig(hidden_size=H, num_experts=8, moe_intermediate_size=H)), MLP(H, 2 * H)
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.02)
         x = torch.randn(64 * 64, H, requires_grad=True)  # 64 episodes of 64 tokens
         t = timed({"grouped": lambda: moe(x)[0].sum().backward(), "naive": lambda: naive(moe, x).sum().backward(),
                    "dense": lambda: dense(x).sum().backward()}, n)
-        rows += [(f"H={H}, 8 experts top-2", f"{t['grouped'][0] * 1e3:.1f} ms", f"{what}: {t[k][0] * 1e3:.1f} ms",
-                  f"{t[k][0] / t['grouped'][0]:.2f}x")
-                 for k, what in (("naive", "per-expert masks over all tokens"), ("dense", f"dense MLP {2 * H} wide"))]
+        rows.append((f"H={H}, 8 experts top-2", *(f"{t[k] * 1e3:.1f} ms" for k in t),
+                     f"{t['naive'] / t['grouped']:.2f}x", f"{t['dense'] / t['grouped']:.2f}x"))
     table(f"mixture of experts: one layer forward + backward on 4096 tokens, median of {n}",
-          ["layer", "grouped (model_moe.MoE, measured)", "baseline", "speed-up of grouped"], rows)
+          ["layer", "model_moe.MoE (measured)", "naive (baseline)", "dense MLP (baseline)", "speed-up vs naive",
+           "vs dense"], rows)
 
 
 def bench_publish():
@@ -222,18 +212,17 @@ def bench_publish():
     for width in (128, 512):
         s = setup(width)
         mb = sum(t.numel() * t.element_size() for t in s["model"].state_dict().values()) / 1e6
-        t = {k: wall for k, (wall, _) in timed({k: s[k] for k in ("step", "publish", "disk")}, n).items()}
-        rows += [(f"tiny_hidden={width}, {mb:.1f} MB", name, f"{t[k] * 1e3:.1f} ms", f"{mb / 1e3 / t[k]:.2f} GB/s",
+        t = timed({k: s[k] for k in ("step", "publish", "disk")}, n)
+        rows += [(f"tiny_hidden={width}, {mb:.1f} MB", k, f"{t[k] * 1e3:.1f} ms", f"{mb / 1e3 / t[k]:.2f} GB/s",
                   f"{t['step'] * 1e3:.0f} ms", f"{t[k] / (t[k] + t['step']):.1%}", "< 5%" * (width == 128))
-                 for k, name in (("publish", "embedded: Rollout.publish to shared memory"),
-                                 ("disk", "servers: rollout.write_weights"))]
-    table(f"weight publishing, median of {n} (the disk path leaves out the servers' own load)",
+                 for k in ("publish", "disk")]
+    table(f"weight publishing, median of {n}: publish = Rollout.publish to shared memory (torch engine), disk = "
+          "rollout.write_weights (servers; their own load left out)",
           ["model", "path", "per step (measured)", "GB/s", "train step (baseline)", "share of a step", "target"], rows)
 
 
 def bench_engine():
-    """The baseline is Hugging Face's `generate` on the tiny preset of train.py, loaded from our checkpoint (same
-    weights), one left-padded batch against the engine's concurrent requests as agents send them."""
+    """The baseline: HF `generate` on the same weights (from our checkpoint), one left-padded batch per call."""
     new, repeats = (16, 1) if args.quick else (128, 3)  # new tokens per row
     c = ModelConfig(vocab_size=384, num_experts=8, max_position_embeddings=256)  # else the defaults: the tiny preset
     ours = Transformer(c).init_weights(0).eval()
@@ -244,7 +233,7 @@ def bench_engine():
     prompts = [torch.randint(0, c.vocab_size, (int(torch.randint(16, 33, (1,), generator=g)),), generator=g)
                for _ in range(64)]  # 16..32 tokens
 
-    async def serve(ps):  # every request at once, from concurrent coroutines, while the engine's step loop runs
+    async def serve(ps):  # every request at once, as concurrent agents send them, while the engine's loop runs
         e = rollout.TorchEngine(ours, slots=64, max_len=32 + new, max_new_tokens=new, seed=0)
         loop = asyncio.create_task(e.run())
         outs = await asyncio.gather(*(e.generate(p.tolist()) for p in ps))
@@ -258,28 +247,24 @@ def bench_engine():
                           min_new_tokens=new, top_k=0, top_p=1.0, pad_token_id=0)
         assert out.shape[1] == ids.shape[1] + new
     rows = []
-    for n in (64, 1, 8):
+    for n in (64, 1, 8):  # as many as the engine has slots, then one and a few concurrent agents
         t = timed({"engine": lambda: asyncio.run(serve(prompts[:n])), "hf": lambda: generate(prompts[:n])}, repeats)
-        (e, ce), (h, ch) = t["engine"], t["hf"]
-        rows.append(("engine vs HF generate" if n == 64 else "concurrent agents", f"{n} prompts" if n == 64 else
-                     f"{n} concurrent", f"{n * new / e:,.0f}", f"{n * new / h:,.0f}", f"{h / e:.2f}x", f"{ch / ce:.2f}x"))
-    table(f"tiny MoE ({sum(p.numel() for p in ours.parameters()) / 1e6:.2f}M params, 8 experts top-2), prompts "
-          f"16..32 tokens, {new} new tokens/row at temperature 1, median of {repeats}, {torch.get_num_threads()} threads",
-          ["section", "setting", "engine tok/s (measured)", "HF generate tok/s (baseline)", "ratio", "ratio, CPU time"],
-          rows)
+        rows.append((n, f"{n * new / t['engine']:,.0f}", f"{n * new / t['hf']:,.0f}", f"{t['hf'] / t['engine']:.2f}x"))
+    table(f"tiny MoE ({sum(p.numel() for p in ours.parameters()) / 1e6:.2f}M params, 8 experts top-2), prompts 16..32 "
+          f"tokens, {new} new tokens/row at temperature 1, median of {repeats}, {torch.get_num_threads()} threads",
+          ["concurrent requests", "engine tok/s (measured)", "HF generate tok/s (baseline)", "ratio"], rows)
 
 
 BENCHES = {"engine": bench_engine, "overlap": bench_overlap, "parity": bench_parity, "trainer": bench_trainer,
            "flops": bench_flops, "moe": bench_moe, "publish": bench_publish}
 if __name__ == "__main__":  # not in the rollout process that setup() spawns
-    ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio for each README number")
+    ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer tokens, steps, seeds and repeats")
     ap.add_argument("--threads", type=int, default=0, help="engine: torch.set_num_threads (0: all cores)")
     args = ap.parse_args()
     os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
     for name in [*list(BENCHES)[1:], "engine"] if args.section == "all" else [args.section]:  # engine last: all cores
-        # in-process sections, and train.py's trainer (its rollout is moved to CPU 1), inherit CPU 0
         os.sched_setaffinity(0, range(os.cpu_count()) if name == "engine" else {0})
         torch.set_num_threads((args.threads or os.cpu_count()) if name == "engine" else 1)
         BENCHES[name]()
