@@ -1,13 +1,10 @@
-"""
-bench.py: the numbers README's "Performance" section quotes, each as measured, baseline and ratio.
+"""bench.py: the numbers README's "Performance" section quotes, each as measured, baseline and ratio.
     python bench.py [engine|overlap|parity|trainer|flops|moe|publish|all] [--quick] [--threads N]
-engine (default) on all cores; the others on CPU 0, one thread (scale, memory: last run by bench.py at 8482101).
-On a shared machine run one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py overlap
-"""
+engine, overlap, parity on all cores; the others on CPU 0, one thread (scale, memory: last run at commit 8482101).
+On a shared machine run one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py overlap"""
 import argparse
 import asyncio
 import collections
-import contextlib
 import copy
 import functools
 import json
@@ -18,8 +15,7 @@ import tempfile
 import time
 from statistics import mean, median as med, stdev, variance
 
-# before torch starts: spinning OpenMP waiters fight other processes for the cores (~10x slower on a busy 2-core VM)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning waiters fight for cores (~10x slower)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # generate() warns about flags it ignores on this model
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -35,38 +31,28 @@ GUESS = ["--config", "configs/guess.py", "--dump_every=0", "--ckpt_every=0"]  # 
 
 
 def table(title, header, rows):
-    print(f"\n{title}\n\n| " + " | ".join(header) + " |\n| --- |" + " ---: |" * (len(header) - 1))
-    for r in rows:
-        print("| " + " | ".join(map(str, r)) + " |", flush=True)
+    lines = [header, ["---"] + ["---:"] * (len(header) - 1), *rows]
+    print(f"\n{title}\n\n" + "\n".join("| " + " | ".join(map(str, r)) + " |" for r in lines), flush=True)
 
 
 def timed(fns, n, best=False):
-    """{name: call} -> {name: wall s}, the median (best: minimum) of n interleaved rounds after a warm-up call."""
-    for f in fns.values():
-        f()
+    """{name: call} -> {name: wall s}, the median (best: minimum) of n interleaved rounds."""
     ts = {k: [] for k in fns}
-    for _ in range(n):
+    for _ in range(n + 1):  # the first round warms up (lazy init) and is dropped
         for k, f in fns.items():
             t0 = time.perf_counter()
             f()
             ts[k].append(time.perf_counter() - t0)
-    return {k: (min if best else med)(v) for k, v in ts.items()}
+    return {k: (min if best else med)(v[1:]) for k, v in ts.items()}
 
 
 def run_train(overrides):
-    """train.py + overrides in a temporary out_dir, trainer on CPU 0 (inherited), rollout on CPU 1 -> (metrics, s)."""
-    with tempfile.TemporaryDirectory() as d, open(os.path.join(d, "log"), "w+") as log:
+    """train.py + overrides in a temporary out_dir (one thread each for trainer and rollout) -> (metrics, wall s)."""
+    with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
-        p = subprocess.Popen([sys.executable, "train.py", *GUESS, f"--out_dir={d}", *overrides], stdout=log, stderr=log)
-        while p.poll() is None:  # the rollout starts on CPU 0 (inherited) and adds threads: move each to CPU 1
-            with contextlib.suppress(OSError):  # a process or thread may end between two reads
-                for child in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split():
-                    for tid in os.listdir(f"/proc/{child}/task"):
-                        os.sched_setaffinity(int(tid), {1})
-            time.sleep(0.1)
+        p = subprocess.run([sys.executable, "train.py", *GUESS, f"--out_dir={d}", *overrides], capture_output=True)
         if p.returncode != 0:
-            log.seek(0)
-            raise RuntimeError(f"train.py {' '.join(overrides)} failed ({p.returncode}):\n{log.read()[-3000:]}")
+            raise RuntimeError(f"train.py {overrides} failed ({p.returncode}):\n{p.stderr[-3000:].decode()}")
         with open(os.path.join(d, "metrics.jsonl")) as f:
             return [json.loads(line) for line in f], time.perf_counter() - t0
 
@@ -74,22 +60,19 @@ def run_train(overrides):
 def bench_overlap():
     """The baseline of async is the same run at max_staleness=0 (synchronous RL), interleaved with it."""
     steps, warm, repeats = (14, 4, 1) if args.quick else (40, 10, 3)
-    sync, asyn = [], []  # steps after warm-up, pooled over the repeats
-    for _ in range(repeats):
-        for staleness, ms in ((0, sync), (1, asyn)):
-            ms += run_train([f"--max_steps={steps}", f"--max_staleness={staleness}"])[0][warm:]
+    runs = [run_train([f"--max_steps={steps}", f"--max_staleness={s}"])[0][warm:] for _ in range(repeats) for s in "01"]
+    sync, asyn = sum(runs[0::2], []), sum(runs[1::2], [])  # interleaved, then pooled: steps after warm-up
     # sync: batch v+1 starts once weights v+1 are out, so the trainer's wait is a batch's generation time
     gen, trn = med(m["time/wait_rollout"] for m in sync), med(m["time/step"] - m["time/wait_rollout"] for m in sync)
     sps, aps = (len(ms) / sum(m["time/step"] for m in ms) for ms in (sync, asyn))
-    r = dict(gen=gen, trn=trn, sync=sps, asyn=aps, x=aps / sps, ideal=(gen + trn) / max(gen, trn),
-             wait=med(m["time/wait_rollout"] for m in asyn), atrn=med(m["time/train"] for m in asyn))
+    rows = [("generation of a batch (sync) / train step, s", gen, trn, ""),
+            ("steps/s: async (max_staleness=1) / sync (0)", aps, sps, ""),
+            ("async speed-up: achieved / ideal (gen+train)/max", aps / sps, (gen + trn) / max(gen, trn), ">= 0.90"),
+            ("async: trainer wait / train time per step, s", med(m["time/wait_rollout"] for m in asyn),
+             med(m["time/train"] for m in asyn), "")]
     table(f"async overlap: steps {warm + 1}..{steps} of {repeats} interleaved sync/async pairs, medians",
           ["measure", "measured", "baseline", "ratio", "target"],
-          [(what, f"{r[a]:.3f}", f"{r[b]:.3f}", f"{r[a] / r[b]:.2f}", target) for what, a, b, target in (
-              ("generation of a batch (sync) / train step, s", "gen", "trn", ""),
-              ("steps/s: async (max_staleness=1) / sync (0)", "asyn", "sync", ""),
-              ("async speed-up: achieved / ideal (gen+train)/max", "x", "ideal", ">= 0.90"),
-              ("async: trainer wait / train time per step, s", "wait", "atrn", ""))])
+          [(what, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}", target) for what, a, b, target in rows])
 
 
 def bench_parity():
@@ -115,8 +98,7 @@ def bench_parity():
 
 @functools.cache
 def setup(width=128):
-    """The default recipe at tiny_hidden=width and a batch it sampled, by train.py's and rollout.py's code -> {cfg,
-    model, msgs, adv, share; timed calls: step, publish (to shared memory, as for torch), disk (as for servers)}."""
+    """The default recipe at tiny_hidden=width, a batch its rollout sampled -> {cfg, model, msgs, adv, share, calls}."""
     d = tempfile.mkdtemp()  # lives as long as this process: the cached setup uses it
     cfg = config.load([*GUESS, f"--out_dir={d}", f"--tiny_hidden={width}"])
     init = train.tiny_init(cfg, 0, False)
@@ -158,8 +140,7 @@ def bench_trainer():
 
 
 def step_flops(c, mb):
-    """Matmul FLOPs of a train step (backward = 2x forward) on a micro-batch [(msg, adv)] padded to (B, T): attention
-    over all T x T (as SDPA does), the top-k experts a token runs, the vocabulary only where the next token trains."""
+    """Matmul FLOPs of a train step (3x forward) on a micro-batch [(msg, adv)]: full T x T, top-k, trained logits."""
     B, T, n_logits = len(mb), max(len(m["ids"]) for m, _ in mb), sum(len(m["engine_ids"]) for m, _ in mb)
     N, H, hd = B * T, c.hidden_size, c.head_dim
     attn = 4 * N * H * hd * (c.num_attention_heads + c.num_key_value_heads) + 4 * B * c.num_attention_heads * T * T * hd
@@ -201,9 +182,8 @@ def bench_moe():
                    "dense": lambda: dense(x).sum().backward()}, n)
         rows.append((f"H={H}, 8 experts top-2", *(f"{t[k] * 1e3:.1f} ms" for k in t),
                      f"{t['naive'] / t['grouped']:.2f}x", f"{t['dense'] / t['grouped']:.2f}x"))
-    table(f"mixture of experts: one layer forward + backward on 4096 tokens, median of {n}",
-          ["layer", "model_moe.MoE (measured)", "naive (baseline)", "dense MLP (baseline)", "speed-up vs naive",
-           "vs dense"], rows)
+    table(f"mixture of experts: one layer forward + backward on 4096 tokens, median of {n}", ["layer",
+          "model_moe.MoE (measured)", "naive (baseline)", "dense MLP (baseline)", "ratio to naive", "to dense"], rows)
 
 
 def bench_publish():
@@ -216,8 +196,7 @@ def bench_publish():
         rows += [(f"tiny_hidden={width}, {mb:.1f} MB", k, f"{t[k] * 1e3:.1f} ms", f"{mb / 1e3 / t[k]:.2f} GB/s",
                   f"{t['step'] * 1e3:.0f} ms", f"{t[k] / (t[k] + t['step']):.1%}", "< 5%" * (width == 128))
                  for k in ("publish", "disk")]
-    table(f"weight publishing, median of {n}: publish = Rollout.publish to shared memory (torch engine), disk = "
-          "rollout.write_weights (servers; their own load left out)",
+    table(f"weight publishing, median of {n}: publish = Rollout.publish to shared memory, disk = write_weights",
           ["model", "path", "per step (measured)", "GB/s", "train step (baseline)", "share of a step", "target"], rows)
 
 
@@ -230,8 +209,7 @@ def bench_engine():
         ours.save_pretrained(d)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, c.vocab_size, (int(torch.randint(16, 33, (1,), generator=g)),), generator=g)
-               for _ in range(64)]  # 16..32 tokens
+    prompts = [torch.randint(c.vocab_size, (int(n),), generator=g) for n in torch.randint(16, 33, (64,), generator=g)]
 
     async def serve(ps):  # every request at once, as concurrent agents send them, while the engine's loop runs
         e = rollout.TorchEngine(ours, slots=64, max_len=32 + new, max_new_tokens=new, seed=0)
@@ -250,9 +228,9 @@ def bench_engine():
     for n in (64, 1, 8):  # as many as the engine has slots, then one and a few concurrent agents
         t = timed({"engine": lambda: asyncio.run(serve(prompts[:n])), "hf": lambda: generate(prompts[:n])}, repeats)
         rows.append((n, f"{n * new / t['engine']:,.0f}", f"{n * new / t['hf']:,.0f}", f"{t['hf'] / t['engine']:.2f}x"))
-    table(f"tiny MoE ({sum(p.numel() for p in ours.parameters()) / 1e6:.2f}M params, 8 experts top-2), prompts 16..32 "
+    table(f"tiny MoE, {sum(p.numel() for p in ours.parameters()) / 1e6:.2f}M params, 8 experts top-2, prompts 16..32 "
           f"tokens, {new} new tokens/row at temperature 1, median of {repeats}, {torch.get_num_threads()} threads",
-          ["concurrent requests", "engine tok/s (measured)", "HF generate tok/s (baseline)", "ratio"], rows)
+          ["requests at once", "engine tok/s (measured)", "HF generate tok/s (baseline)", "ratio"], rows)
 
 
 BENCHES = {"engine": bench_engine, "overlap": bench_overlap, "parity": bench_parity, "trainer": bench_trainer,
@@ -264,7 +242,8 @@ if __name__ == "__main__":  # not in the rollout process that setup() spawns
     ap.add_argument("--threads", type=int, default=0, help="engine: torch.set_num_threads (0: all cores)")
     args = ap.parse_args()
     os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
-    for name in [*list(BENCHES)[1:], "engine"] if args.section == "all" else [args.section]:  # engine last: all cores
-        os.sched_setaffinity(0, range(os.cpu_count()) if name == "engine" else {0})
-        torch.set_num_threads((args.threads or os.cpu_count()) if name == "engine" else 1)
+    for name in [*list(BENCHES)[1:], "engine"] if args.section == "all" else [args.section]:
+        one_core = name in ("trainer", "flops", "moe", "publish")  # the trainer's share of a 2-core machine
+        os.sched_setaffinity(0, {0} if one_core else range(os.cpu_count()))
+        torch.set_num_threads(1 if one_core else args.threads or os.cpu_count())
         BENCHES[name]()
