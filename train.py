@@ -43,8 +43,7 @@ def compute_init(cfg):
     """-> (rank, world, device, fsdp). Under torchrun one process group serving both devices (a CPU tensor
     in a collective needs gloo even on GPUs). One process with dtype != float32 gets a group of one, so that
     mixed precision (fp32 master weights, `dtype` compute) goes through FSDP2 there too."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
-        torch.device("cpu")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -62,9 +61,7 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 def full_state(model, fsdp):
     """The whole (unsharded) state dict on rank 0, on CPU; an empty dict on other ranks."""
-    if not fsdp:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=FULL)
+    return get_model_state_dict(model, options=FULL) if fsdp else {k: v.cpu() for k, v in model.state_dict().items()}
 
 
 # ---- the policy ----
@@ -144,24 +141,18 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False):
 
 def collate(msgs, device):
     """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k) with -1 padding."""
-    B, T = len(msgs), max(len(m["ids"]) for m in msgs)
-    b = {"ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T),
-         "versions": torch.full((B, T), -1), "rollout_logp": torch.zeros(B, T), "routing": None}
-    for i, m in enumerate(msgs):
-        for k in ("ids", "loss_mask", "versions", "rollout_logp"):
-            b[k][i, :len(m["ids"])] = m["logprobs" if k == "rollout_logp" else k]
+    def pad(key, value):
+        return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value)
+    b = {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
+         "rollout_logp": pad("logprobs", 0.0), "routing": None, "images": None}
     if msgs[0]["routing"] is not None:
-        r0 = msgs[0]["routing"]
-        b["routing"] = torch.full((r0.shape[1], B, T, r0.shape[2]), -1, dtype=torch.int16)
-        for i, m in enumerate(msgs):
-            b["routing"][:, i, :len(m["routing"])] = m["routing"].transpose(0, 1)
-    images = [m["images"] for m in msgs if m.get("images") is not None]  # (N_b, C, H, W) each, in row order
-    b["images"] = torch.cat(images) if images else None  # the pixels the engine saw
+        b["routing"] = pad("routing", -1).permute(2, 0, 1, 3)  # (B, T, L, k) -> (L, B, T, k)
+    if images := [m["images"] for m in msgs if m.get("images") is not None]:  # (N_b, C, H, W) each, in row order
+        b["images"] = torch.cat(images)  # the pixels the engine saw
     for row, m, msg in zip(b["ids"], b["loss_mask"].bool(), msgs):  # token identity: we train what was sampled
         if not torch.equal(row[m], msg["engine_ids"]):
             raise AssertionError(f"episode {msg['index']}: trained token ids differ from the engine's sampled ids")
-    b = {k: (v.to(device) if v is not None else None) for k, v in b.items()}
-    return b | {"index": [m["index"] for m in msgs]}
+    return {k: (v.to(device) if v is not None else None) for k, v in b.items()} | {"index": [m["index"] for m in msgs]}
 
 
 # A rank with no episode in a micro-batch still runs it (FSDP's collectives pair up forward by forward, the

@@ -532,8 +532,8 @@ def test_sglang_episodes_are_the_server_tokens_with_versions_logprobs_and_expert
     msgs = collect(cfg, e, tok, 4)
     diffs, same, fed = [], 0, 0
     for m in msgs:
-        ids, mask = m["tokens"][0], m["tokens"][1].bool()
-        assert torch.equal(ids[mask], m["engine_ids"]) and (m["tokens"][2][mask] == 0).all()
+        ids, mask = m["ids"], m["loss_mask"].bool()
+        assert torch.equal(ids[mask], m["engine_ids"]) and (m["versions"][mask] == 0).all()
         with torch.no_grad():  # trainer-side recompute with model_moe on the same ids
             logits, routing = s["model"](ids[None], return_routing=True)  # routing (L, 1, T, k) or None
         lp = torch.log_softmax(logits[0, :-1].double(), -1).gather(-1, ids[1:, None])[:, 0]
@@ -575,7 +575,8 @@ def test_sglang_weight_update_takes_effect_after_running_requests(sglang_server,
     async def scenario():
         before = [await e.generate(p) for p in prompts]  # (the server may hold another test's weights: v0 first)
         running = asyncio.create_task(e.generate(long_prompt, max_new_tokens=200))
-        await asyncio.sleep(0.3)
+        while e.in_flight == 0:  # publish as soon as it runs: 200 tokens take the CPU server well over 0.1 s
+            await asyncio.sleep(0.001)
         assert not running.done()
         t0 = time.monotonic()
         if memory:
