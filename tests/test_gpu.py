@@ -5,7 +5,6 @@ import asyncio
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -82,7 +81,7 @@ def guess_batch(cfg, model, tok_dir):
         llm = rollout.Policy(engine, tok)
         ep = await run_agent(agent.make_task(cfg.task, i, seed=cfg.seed, group_size=cfg.group_size,
                                              guess_max=cfg.guess_max, max_turns=cfg.max_turns), llm)
-        return rollout.episode_to_msg(ep, i, rollout.check_tokens(ep, llm.calls))
+        return rollout.episode_to_msg(ep, i, i // cfg.group_size, rollout.check_tokens(ep, llm.calls))
 
     async def main():
         loop = asyncio.create_task(engine.run())
@@ -92,43 +91,32 @@ def guess_batch(cfg, model, tok_dir):
     return asyncio.run(main())
 
 
-@pytest.fixture
-def one_rank_nccl():
+def test_train_step_in_bf16_with_fp32_master_weights(tmp_path):
     import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_train_step_in_bf16_with_fp32_master_weights(tmp_path, one_rank_nccl):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from model_moe import Transformer
     cfg = config.load(["--config", os.path.join(ROOT, "configs", "guess.py"), f"--out_dir={tmp_path}",
-                       "--prompts_per_step=4"])
-    model, tok_dir = train.build_model(cfg, 0, 1, torch.device("cuda"))
-    msgs = guess_batch(cfg, model, tok_dir)
-    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # train.build_model's policy
-    for block in model.model.layers:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
-    rewards = torch.tensor([m["reward"] for m in msgs])
-    adv = est.ADVANTAGES[cfg.advantage](rewards=rewards, group_ids=torch.tensor([m["group"] for m in msgs]))
-    adv = adv if adv.abs().sum() else torch.randn(len(msgs))  # equal rewards: still a gradient to check
-    share = {"micro_batches": train.split_batch(msgs, adv.tolist(), 1, cfg.micro_batch_tokens)[0],
-             "num_tokens": float(sum(len(m["engine_ids"]) for m in msgs)), "num_seqs": float(len(msgs))}
-    sums, stale_max, _, grad_norm = train.train_step(model, opt, share, cfg, 0, 1)
-    state = train.full_state(model, 1)
-    assert all(v.dtype == torch.float32 for v in state.values())  # the master weights stay fp32
-    assert math.isfinite(grad_norm) and grad_norm > 0 and stale_max == 0
-    assert any(not torch.equal(state[k].cpu(), before[k].cpu()) for k in before)  # the optimizer stepped
-    mm = sums["mm_abs"] / sums["mm_tokens"]  # bf16 trainer vs the fp32 engine on the same weights
-    assert sums["mm_tokens"] == sums["tokens"] > 0 and 1e-6 < mm < 0.05, mm  # > 0: the forward really ran in bf16
+                       "--prompts_per_step=4", "--dtype=bfloat16"])
+    rank, world, device, fsdp = train.compute_init(cfg)  # one process, bf16: a group of one (cpu:gloo,cuda:nccl)
+    try:
+        assert fsdp and device.type == "cuda"
+        path = train.tiny_init(cfg, rank, fsdp)
+        model = train.build_model(cfg, rank, device, fsdp, path)  # meta, sharded, MixedPrecisionPolicy(bf16)
+        msgs = guess_batch(cfg, Transformer.from_pretrained(path, device=device), path)  # an fp32 engine
+        before = {k: v.clone() for k, v in train.full_state(model, fsdp).items()}
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
+        rewards = torch.tensor([m["reward"] for m in msgs])
+        adv = est.ADVANTAGES[cfg.advantage](rewards=rewards, group_ids=torch.tensor([m["group"] for m in msgs]))
+        adv = adv if adv.abs().sum() else torch.randn(len(msgs))  # equal rewards: still a gradient to check
+        vec, stale_max, norms = train.train_step(model, opt, train.make_shares(msgs, adv.tolist(), 1, cfg)[0], cfg, 0, 1)
+        sums, stale_max, _ = train.reduce_metrics(vec, stale_max, 1)  # a collective on a CUDA tensor
+        state = train.full_state(model, fsdp)
+        assert all(v.dtype == torch.float32 for v in state.values())  # the master weights stay fp32
+        assert all(math.isfinite(g) and g > 0 for g in norms) and stale_max == 0
+        assert any(not torch.equal(state[k], before[k]) for k in before)  # the optimizer stepped
+        mm = sums["mm_abs"] / sums["mm_tokens"]  # bf16 trainer vs the fp32 engine on the same weights
+        assert sums["mm_tokens"] == sums["tokens"] > 0 and 1e-6 < mm < 0.05, mm  # > 0: the forward ran in bf16
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_bf16_run_logs_mismatch(tmp_path):
