@@ -68,10 +68,8 @@ def full_state(model, fsdp):
 
 def latest_checkpoint(cfg):
     """<out_dir>/ckpt, or ckpt.old if a crash (even kill -9) came between the two renames of a save."""
-    for name in ("ckpt", "ckpt.old"):
-        if os.path.isfile(os.path.join(cfg.out_dir, name, "trainer.pt")):
-            return os.path.join(cfg.out_dir, name)
-    return None
+    dirs = [os.path.join(cfg.out_dir, name) for name in ("ckpt", "ckpt.old")]
+    return next((d for d in dirs if os.path.isfile(os.path.join(d, "trainer.pt"))), None)
 
 
 def read_config(path):
@@ -370,13 +368,14 @@ RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init",
 
 
 def check_out_dir(cfg):
-    """A new run never destroys an earlier one's files: resume it, or say to overwrite it."""
-    if not cfg.resume and any(os.path.exists(os.path.join(cfg.out_dir, f)) for f in RUN_FILES[:4]):
-        if not cfg.overwrite:
-            raise ValueError(f"{cfg.out_dir} holds an earlier run (metrics.jsonl or ckpt): continue it with --resume, "
-                             f"replace it with --overwrite, or choose another --out_dir")
-        return True
-    return False
+    """A new run never destroys an earlier one's files: resume it, or say to overwrite it (rank 0 deletes them)."""
+    if cfg.resume or not any(os.path.exists(os.path.join(cfg.out_dir, f)) for f in RUN_FILES[:4]):
+        return
+    if not cfg.overwrite:
+        raise ValueError(f"{cfg.out_dir} holds an earlier run (metrics.jsonl or ckpt): continue it with --resume, "
+                         f"replace it with --overwrite, or choose another --out_dir")
+    for p in (os.path.join(cfg.out_dir, f) for f in RUN_FILES if os.environ.get("RANK", "0") == "0"):
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p) if os.path.exists(p) else None
 
 
 # ---- logging: metrics.jsonl, one console line, episodes dumped for reading ----
@@ -441,13 +440,9 @@ def main(argv=None):
         signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name))
     if cfg.task_file:
         agent.load_task_file(cfg.task_file)  # a malformed line stops the run here, naming file and line
-    overwrite = check_out_dir(cfg)  # on every rank, before anything is written
+    check_out_dir(cfg)  # on every rank, before anything is written
     rank, world, device, fsdp = compute_init(cfg)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)) if device.type == "cpu" else 8)
-    if overwrite and rank == 0:
-        for f in RUN_FILES:
-            p = os.path.join(cfg.out_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p) if os.path.exists(p) else None
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed + rank)
     init = tiny_init(cfg, rank, fsdp) if cfg.model == "tiny" else cfg.model
