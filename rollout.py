@@ -103,8 +103,8 @@ class _Request:
 
 
 class TorchEngine:
-    """Embedded engine: `await generate(ids)` from many agents; one `step()` runs one prefill (new
-    rows) and one decode (all rows). A finished row's slot is refilled at the next step."""
+    """Embedded engine: `await generate(ids)` from many agents; one `step()` runs one prefill (new rows) and one
+    decode (all rows). A finished row's slot is refilled at the next step."""
 
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
                  max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None, chunk_tokens=8192):
@@ -120,13 +120,11 @@ class TorchEngine:
         self.chunk_tokens = chunk_tokens  # padded tokens per prefill forward: bounds its activations
         if self.c.vision_layers:  # a sampled placeholder has no image: end the row there (the agent rejects
             self.stop_ids.add(self.c.image_token_id)  # the episode), else a re-prefill would splice a feature in
-        self.shared_version, self.source = version, source  # weights shared with the trainer
-        self.lock = lock or contextlib.nullcontext()
+        self.shared_version, self.source, self.lock = version, source, lock or contextlib.nullcontext()  # shared
         self.version = version.value if version is not None else 0
         self.generator = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + self.version)
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
-        self.wake = asyncio.Event()
-        self.tokens_generated, self.busy_s = 0, 0.0
+        self.wake, self.tokens_generated, self.busy_s = asyncio.Event(), 0, 0.0
 
     async def generate(self, ids, max_new_tokens=None, images=None) -> Completion:
         """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
@@ -210,13 +208,12 @@ class TorchEngine:
 
     def _sample(self, rows, logits):
         ids, logps = sample(logits, generator=self.generator, **self.sampling)
+        self.tokens_generated += len(rows)
         for r, t, lp in zip(rows, ids.tolist(), logps.tolist()):
             r.ids.append(t)
             r.logprobs.append(lp)
             r.versions.append(self.version)
-            self.tokens_generated += 1
-            n = len(r.ids) - r.prompt_len
-            if t in self.stop_ids or n >= r.max_new or len(r.ids) >= self.max_len:
+            if t in self.stop_ids or len(r.ids) - r.prompt_len >= r.max_new or len(r.ids) >= self.max_len:
                 del self.active[r.slot]
                 self.free.append(r.slot)
                 routing = self.routing[r.slot, :len(r.ids)].clone() if self.routing is not None else None
@@ -274,7 +271,7 @@ def check_images(ids, images, c):
 
 
 class Malformed(Exception):
-    pass
+    """An episode that fails check_tokens, check_images or validate: dropped, nothing malformed is trained."""
 
 
 COUNTS = ("agent_errors", "agent_timeouts", "malformed")  # episodes dropped, by cause
@@ -310,8 +307,7 @@ def check_tokens(ep, calls):
     logprobs and versions [T] (0.0 and -1 where mask 0), routing (T, n_moe_layers, top_k) int16 or None
     (-1 where no engine computed it) and engine_ids (every sampled id, in order)."""
     T = len(ep.ids)
-    logprobs, versions, sampled = [0.0] * T, [-1] * T, 0
-    routing = None
+    logprobs, versions, sampled, routing = [0.0] * T, [-1] * T, 0, None
     for prompt, c, images in calls:
         p, n = len(prompt), len(c.ids)
         if not n == len(c.logprobs) == len(c.versions):
@@ -368,7 +364,7 @@ PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids", "
 
 def pack(group):
     """A group's messages -> one queue item whose tensor fields are concatenated over the episodes: the queue
-    then hands over a few shared-memory tensors per group instead of a few per episode (~1 ms each)."""
+    then hands over a few shared-memory tensors per group instead of a few per episode (each costs time)."""
     item = {"msgs": [{k: v for k, v in m.items() if k not in PACKED} for m in group]}
     for k in PACKED:
         kept = [m[k] for m in group if m[k] is not None]
@@ -600,9 +596,8 @@ class Rollout:
 
 
 # ---- server engines: vLLM and SGLang over HTTP ----
-# Servers (own processes, own Python, or other machines) behind `await generate(ids)`: ids in and out, each with
-# its logprob (of the distribution sampled from) and routed experts. New weights: admission closes, running
-# requests finish under the old version (no pause/resume), every server moves to the new one, admission reopens.
+# Servers (own processes, own Python, or other machines) behind `await generate(ids)`. New weights: admission
+# closes, running requests finish under the old version, every server moves to the new one, admission reopens.
 # weight_sync "gloo" (CPU servers) / "nccl" (GPU): SGLang in memory, the rollout process broadcasting the shared
 # tensors `publish` fills (rank 0; server k: rank k + 1, tp 1). "disk" (vLLM; others): a directory per version.
 
@@ -612,8 +607,8 @@ class ServerError(RuntimeError):
 
 def _http(url, body=None, timeout=600.0):
     """POST `body` as JSON (GET when None) -> the decoded JSON answer, or its text."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         text = r.read().decode()
     with contextlib.suppress(ValueError):
