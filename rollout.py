@@ -189,14 +189,12 @@ class TorchEngine:
         with self.lock:  # the trainer cannot swap weights in the middle of a forward
             if self.shared_version is not None and self.shared_version.value != self.version:
                 self.set_weights(self.source or {}, self.shared_version.value)
-            new = []
-            while self.waiting and self.free:
-                r = self.waiting.popleft()
+            new = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free)))]
+            for r in new:
                 r.slot = self.free.pop()
+                self.active[r.slot] = r
                 if self.routing is not None:
                     self.routing[r.slot] = -1  # forget the previous occupant's experts
-                self.active[r.slot] = r
-                new.append(r)
             if new:  # prefill: the whole prompt of each new row; sample its first token
                 self._sample(new, self._forward(new, [r.ids for r in new], [0] * len(new), prefill=True))
             # in slot order: when the slots in use are consecutive (all busy), the cache reads them as a view
