@@ -1,12 +1,10 @@
 """
-rollout.py: generation. The embedded torch engine (continuous batching over a slot KV cache), the
-rollout process that runs agents against it, the bounded shared-memory queue to the trainer, and the
-vLLM / SGLang server engines (last section), which agents use through the same `await generate(ids)`.
-
-Every generated token comes back with the id that was sampled, its logprob under the distribution it
-was actually sampled from (temperature, top-k, top-p applied), the version of the weights that sampled
-it and, for MoE, the experts each position was routed to. Weights live in shared memory: the trainer
-copies new ones in under a lock and bumps the version; the engine sees them between decode steps.
+rollout.py: generation. The embedded torch engine (continuous batching over a slot KV cache), the rollout
+process that runs agents against it, the bounded shared-memory queue to the trainer, and the vLLM / SGLang
+server engines (last section), which agents use through the same `await generate(ids)`. Every generated token
+comes back with its id, its logprob under the distribution it was sampled from (temperature, top-k, top-p
+applied), the version of the weights that sampled it and, for MoE, its experts. Weights live in shared memory:
+the trainer copies new ones in under a lock and bumps the version; the engine sees them between decode steps.
 """
 import asyncio
 import base64
@@ -30,11 +28,11 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,7 +44,7 @@ import endpoint
 from model_moe import KVCache, Transformer, save_pretrained, to_hf_state
 
 
-@dataclass
+@dataclasses.dataclass
 class Completion:
     ids: list  # sampled token ids (the stop token included when it was sampled)
     logprobs: list  # logprob of each sampled id under the distribution it was drawn from
@@ -76,14 +74,14 @@ def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
     if temperature == 0:
         logp = torch.log_softmax(logits.float(), dim=-1)
         ids = logp.argmax(-1)
-        return ids, logp.gather(-1, ids[:, None])[:, 0]
-    logp = filtered_logp(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    # inverse-CDF sampling: one uniform per row against the running sum of probabilities (multinomial draws an
-    # exponential per vocabulary entry). The sum is in float64 and u stays below its total, so a token of
-    # probability 0 is never picked.
-    cdf = logp.exp().cumsum(-1, dtype=torch.float64)
-    u = torch.rand(len(cdf), 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    ids = torch.searchsorted(cdf, torch.minimum(u, cdf[:, -1:].nextafter(u.new_zeros(()))), right=True)[:, 0]
+    else:
+        logp = filtered_logp(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        # inverse-CDF sampling: one uniform per row against the running sum of probabilities (multinomial draws
+        # an exponential per vocabulary entry). The sum is in float64 and u stays below its total, so a token of
+        # probability 0 is never picked.
+        cdf = logp.exp().cumsum(-1, dtype=torch.float64)
+        u = torch.rand(len(cdf), 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+        ids = torch.searchsorted(cdf, torch.minimum(u, cdf[:, -1:].nextafter(u.new_zeros(()))), right=True)[:, 0]
     return ids, logp.gather(-1, ids[:, None])[:, 0]
 
 
@@ -91,7 +89,7 @@ class ContextFull(ValueError):
     """The conversation has reached the engine's max_len: the rollout trains the episode so far as truncated."""
 
 
-@dataclass(eq=False)
+@dataclasses.dataclass(eq=False)
 class _Request:
     ids: list  # prompt, then sampled tokens as they come
     prompt_len: int
@@ -105,8 +103,8 @@ class _Request:
 
 
 class TorchEngine:
-    """Embedded engine: `await generate(ids)` from many agents; one `step()` runs one prefill (new
-    rows) and one decode (all rows). A finished row's slot is refilled at the next step."""
+    """Embedded engine: `await generate(ids)` from many agents; one `step()` runs one prefill (new rows) and one
+    decode (all rows). A finished row's slot is refilled at the next step."""
 
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
                  max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None, chunk_tokens=8192):
@@ -122,12 +120,11 @@ class TorchEngine:
         self.chunk_tokens = chunk_tokens  # padded tokens per prefill forward: bounds its activations
         if self.c.vision_layers:  # a sampled placeholder has no image: end the row there (the agent rejects
             self.stop_ids.add(self.c.image_token_id)  # the episode), else a re-prefill would splice a feature in
-        self.shared_version, self.lock, self.source = version, lock, source  # weights shared with the trainer
+        self.shared_version, self.source, self.lock = version, source, lock or contextlib.nullcontext()  # shared
         self.version = version.value if version is not None else 0
         self.generator = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + self.version)
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
-        self.wake = asyncio.Event()
-        self.tokens_generated, self.busy_s = 0, 0.0
+        self.wake, self.tokens_generated, self.busy_s = asyncio.Event(), 0, 0.0
 
     async def generate(self, ids, max_new_tokens=None, images=None) -> Completion:
         """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
@@ -143,74 +140,61 @@ class TorchEngine:
         return await req.future
 
     def set_weights(self, state, version):
-        """Load new weights (a state dict) as `version`; in-flight rows continue under them."""
+        """Load new weights (a state dict; {} when the shared tensors already hold them) as `version`. The rows in
+        flight go on under them, their keys recomputed, so every token tagged `version` is exactly what those
+        weights would sample (the trainer's recompute then matches it)."""
         self.model.load_state_dict(state, strict=False)
-        self._new_version(version)
-
-    def _new_version(self, version):
         self.version = version
         # reseeding per version makes a batch's samples depend only on (seed, version): resumable runs
         self.generator.manual_seed(self.seed * 1_000_003 + version)
-        # recompute in-flight rows' keys under the new weights, so every token tagged `version` is
-        # exactly what those weights would sample (the trainer's recompute then matches it); no logits needed
         rows = [r for r in self.active.values() if r.fed > 0]
-        if rows:
+        if rows:  # no logits needed, only the keys
             self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows), prefill=True, logits=False)
 
+    @torch.inference_mode()  # not no_grad: it also skips autograd's view and version tracking
     def _forward(self, rows, chunks, start, prefill=False, logits=True):
         """Run each row's chunk of tokens at positions start.. in its slot; returns the logits at each row's last
         chunk token (B, V) and records routing for those positions. prefill: the chunks start at 0 and hold every
         placeholder, so the rows' images go in (decode steps are text only). Rows go through the model in groups
         of at most `chunk_tokens` padded tokens, and only the last position's logits are computed: (B, T, V) for
-        a real vocabulary would not fit."""
-        out, i = [], 0
+        a real vocabulary would not fit. A group's inputs are built as one tensor each and its routing recorded
+        with one indexed write: row by row, small tensors cost more than the decode step's compute."""
+        out, i, dev = [], 0, self.cache.k.device
         while i < len(rows):
             n, T = 1, len(chunks[i])
             while i + n < len(rows) and (n + 1) * max(T, len(chunks[i + n])) <= self.chunk_tokens:
                 n, T = n + 1, max(T, len(chunks[i + n]))
-            out.append(self._forward_rows(rows[i:i + n], chunks[i:i + n], start[i:i + n], prefill, logits))
+            group, lens, starts = rows[i:i + n], torch.tensor([len(ch) for ch in chunks[i:i + n]]), start[i:i + n]
+            ids = torch.tensor([ch + [0] * (T - len(ch)) for ch in chunks[i:i + n]], device=dev)  # (b, T), right-padded
+            pos = torch.tensor(starts)[:, None] + torch.arange(T)  # (b, T); padding continues them: past the row
+            slots = torch.tensor([r.slot for r in group])  # (b,)
+            images = [r.images for r in group if r.images is not None] if prefill else []
+            last = torch.arange(T) == (lens - 1)[:, None]  # (b, T): each row's last token
+            logit, routing = self.model(ids, positions=pos.to(dev), cache=self.cache, slots=slots.to(dev),
+                                        return_routing=True, images=torch.cat(images) if images else None,
+                                        logits_at=last.to(dev) & logits)
+            out.append(logit)  # (b, V) in row order
+            for r, m, s in zip(group, lens.tolist(), starts):
+                r.fed = s + m
+            if routing is not None:  # routing (n_moe, b, T, k) -> the slots' records, at the rows' real positions
+                real = torch.arange(T) < lens[:, None]  # (b, T): not padding
+                self.routing[slots[:, None].expand(-1, T)[real], pos[real]] = \
+                    routing.permute(1, 2, 0, 3).to("cpu", torch.int16)[real]  # (n_real, n_moe, k)
             i += n
         return torch.cat(out) if logits else None
-
-    @torch.inference_mode()  # not no_grad: it also skips autograd's view and version tracking, ~20% of a small step
-    def _forward_rows(self, rows, chunks, start, prefill, logits):
-        # Inputs are built as one tensor each and routing is recorded with one indexed write: building
-        # and copying small tensors row by row cost ~1 ms per decode step at 64 rows (~10% of the step).
-        lens, dev = torch.tensor([len(ch) for ch in chunks]), self.cache.k.device
-        T = int(lens.max())
-        ids = torch.tensor([ch + [0] * (T - len(ch)) for ch in chunks], device=dev)  # (B, T), right-padded
-        pos = torch.tensor(start)[:, None] + torch.arange(T)  # (B, T); padding continues them: written past the row
-        slots = torch.tensor([r.slot for r in rows])  # (B,)
-        images = [r.images for r in rows if r.images is not None] if prefill else []
-        last = torch.arange(T) == (lens - 1)[:, None]  # (B, T): each row's last token
-        out, routing = self.model(ids, positions=pos.to(dev), cache=self.cache, slots=slots.to(dev),
-                                  return_routing=True, images=torch.cat(images) if images else None,
-                                  logits_at=last.to(dev) & logits)
-        for r, n, s in zip(rows, lens.tolist(), start):
-            r.fed = s + n
-        if routing is not None:  # routing (n_moe, B, T, k) -> the slots' records, at the rows' real positions
-            real = torch.arange(T) < lens[:, None]  # (B, T): not padding
-            self.routing[slots[:, None].expand(-1, T)[real], pos[real]] = \
-                routing.permute(1, 2, 0, 3).to("cpu", torch.int16)[real]  # (n_real, n_moe, k)
-        return out  # (B, V) in row order
 
     def step(self):
         """One engine iteration. Returns the number of rows that decoded."""
         t0 = time.perf_counter()
-        lock = self.lock if self.lock is not None else contextlib.nullcontext()
-        with lock:  # the trainer cannot swap weights in the middle of a forward
+        with self.lock:  # the trainer cannot swap weights in the middle of a forward
             if self.shared_version is not None and self.shared_version.value != self.version:
-                if self.source is not None:
-                    self.model.load_state_dict(self.source, strict=False)
-                self._new_version(self.shared_version.value)
-            new = []
-            while self.waiting and self.free:
-                r = self.waiting.popleft()
+                self.set_weights(self.source or {}, self.shared_version.value)
+            new = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free)))]
+            for r in new:
                 r.slot = self.free.pop()
+                self.active[r.slot] = r
                 if self.routing is not None:
                     self.routing[r.slot] = -1  # forget the previous occupant's experts
-                self.active[r.slot] = r
-                new.append(r)
             if new:  # prefill: the whole prompt of each new row; sample its first token
                 self._sample(new, self._forward(new, [r.ids for r in new], [0] * len(new), prefill=True))
             # in slot order: when the slots in use are consecutive (all busy), the cache reads them as a view
@@ -222,13 +206,12 @@ class TorchEngine:
 
     def _sample(self, rows, logits):
         ids, logps = sample(logits, generator=self.generator, **self.sampling)
+        self.tokens_generated += len(rows)
         for r, t, lp in zip(rows, ids.tolist(), logps.tolist()):
             r.ids.append(t)
             r.logprobs.append(lp)
             r.versions.append(self.version)
-            self.tokens_generated += 1
-            n = len(r.ids) - r.prompt_len
-            if t in self.stop_ids or n >= r.max_new or len(r.ids) >= self.max_len:
+            if t in self.stop_ids or len(r.ids) - r.prompt_len >= r.max_new or len(r.ids) >= self.max_len:
                 del self.active[r.slot]
                 self.free.append(r.slot)
                 routing = self.routing[r.slot, :len(r.ids)].clone() if self.routing is not None else None
@@ -286,7 +269,7 @@ def check_images(ids, images, c):
 
 
 class Malformed(Exception):
-    pass
+    """An episode that fails check_tokens, check_images or validate: dropped, nothing malformed is trained."""
 
 
 COUNTS = ("agent_errors", "agent_timeouts", "malformed")  # episodes dropped, by cause
@@ -322,8 +305,7 @@ def check_tokens(ep, calls):
     logprobs and versions [T] (0.0 and -1 where mask 0), routing (T, n_moe_layers, top_k) int16 or None
     (-1 where no engine computed it) and engine_ids (every sampled id, in order)."""
     T = len(ep.ids)
-    logprobs, versions, sampled = [0.0] * T, [-1] * T, 0
-    routing = None
+    logprobs, versions, sampled, routing = [0.0] * T, [-1] * T, 0, None
     for prompt, c, images in calls:
         p, n = len(prompt), len(c.ids)
         if not n == len(c.logprobs) == len(c.versions):
@@ -380,7 +362,7 @@ PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids", "
 
 def pack(group):
     """A group's messages -> one queue item whose tensor fields are concatenated over the episodes: the queue
-    then hands over a few shared-memory tensors per group instead of a few per episode (~1 ms each)."""
+    then hands over a few shared-memory tensors per group instead of a few per episode (each costs time)."""
     item = {"msgs": [{k: v for k, v in m.items() if k not in PACKED} for m in group]}
     for k in PACKED:
         kept = [m[k] for m in group if m[k] is not None]
@@ -399,10 +381,10 @@ def unpack(item):
     return msgs
 
 
-def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers=None,
-                 counts=None):
-    """Entry of the rollout process. weights: the shared state dict the engine computes with (torch);
-    servers: [(url, log path or None)] of the inference servers (vllm, sglang)."""
+def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
+    """Entry of the rollout process. link: what it shares with the trainer (start_rollout): weights (the shared
+    state dict the engine computes with: torch, sglang in memory), version, lock, out_q, dropped, and servers:
+    [(url, log path or None)] of the inference servers (vllm, sglang) or None."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a trainer killed with -9 takes this process along
     if os.getppid() != mp.parent_process().pid:  # ... also if it died before the line above ran
         os._exit(1)
@@ -412,40 +394,38 @@ def rollout_main(cfg, model_cfg, weights, version, lock, out_q, dropped, start_i
     try:
         # not asyncio.run: on an error its cleanup cancels every task at once, and a tool subprocess cancelled
         # that way (CPython 3.11) never finishes, so the process would hang instead of exiting below
-        asyncio.new_event_loop().run_until_complete(
-            _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers,
-                     counts))
+        asyncio.new_event_loop().run_until_complete(_rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts))
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # now: sys.exit would first wait for threads still blocked in HTTP calls to servers
 
 
-async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start_index, tokenizer_dir, servers, counts):
+async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                    max_len=cfg.engine_max_len, stop_ids=stop_ids(tok, tokenizer_dir), seed=cfg.seed, version=version)
-    if servers is not None:
-        engine = ServerEngine(cfg.engine, [u for u, _ in servers], logs=[log for _, log in servers],
+                    max_len=cfg.engine_max_len, stop_ids=stop_ids(tok, tokenizer_dir), seed=cfg.seed,
+                    version=link.version, lock=link.lock)
+    if link.servers is not None:
+        engine = ServerEngine(cfg.engine, [u for u, _ in link.servers], logs=[log for _, log in link.servers],
                               model_config=model_cfg, weights_dir=os.path.join(cfg.out_dir, "engine_weights"),
-                              timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, weights=weights,
-                              lock=lock, sync=cfg.weight_sync, **sampling)
+                              timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, weights=link.weights,
+                              sync=cfg.weight_sync, **sampling)
     else:
         dtype = getattr(torch, cfg.dtype)  # the compute dtype, as in the trainer
-        if torch.cuda.is_available() or dtype != torch.float32:  # a copy, refreshed from the shared tensors
-            model, source = Transformer(model_cfg).to("cuda" if torch.cuda.is_available() else "cpu", dtype), weights
-            model.load_state_dict(weights)
+        copy = torch.cuda.is_available() or dtype != torch.float32
+        if copy:  # a copy, refreshed from the shared tensors at each new version
+            model = Transformer(model_cfg).to("cuda" if torch.cuda.is_available() else "cpu", dtype)
         else:  # on CPU in float32 the parameters ARE the shared tensors: nothing to copy
             with torch.device("meta"):
                 model = Transformer(model_cfg)
-            model.load_state_dict(weights, assign=True, strict=True)
-            source = None
+        model.load_state_dict(link.weights, assign=not copy)
         if model_cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        engine = TorchEngine(model, slots=cfg.engine_slots, lock=lock, source=source, **sampling)
-    tasks = [asyncio.create_task(engine.run()),
-             asyncio.create_task(produce(cfg, engine, tok, out_q, dropped, start_index, model_cfg.vocab_size, counts))]
+        engine = TorchEngine(model, slots=cfg.engine_slots, source=link.weights if copy else None, **sampling)
+    tasks = [asyncio.create_task(engine.run()), asyncio.create_task(
+        produce(cfg, engine, tok, link.out_q, link.dropped, start_index, model_cfg.vocab_size, counts))]
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for t in tasks:
         t.cancel()
@@ -456,20 +436,17 @@ async def _rollout(cfg, model_cfg, weights, version, lock, out_q, dropped, start
 async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, counts=None):
     """Run agents, `concurrent_agents` at a time, and put finished groups on the queue: one item per group,
     its episodes that did not fail, once all group_size of them have ended, so a batch never splits a group
-    (its advantages compare the whole group). Admission bounds staleness: group g may start only while
-    the live groups (started, not all failed, not dropped by the trainer) number fewer than
-    (version + 1 + max_staleness) * prompts_per_step. With max_staleness=0 this is synchronous RL: batch v
-    is sampled entirely by weights v. counts: the COUNTS so far (a resumed run goes on counting)."""
-    run = agent_mod.load_agent(cfg.task)
-    start_version = engine.version
+    (its advantages compare the whole group). Admission bounds staleness: a group may start only while the
+    live groups (started, not all failed) number fewer than the allowed ones, (version + 1 + max_staleness) *
+    prompts_per_step plus those the trainer dropped. With max_staleness=0 this is synchronous RL: batch v is
+    sampled entirely by weights v. counts: the COUNTS so far (a resumed run goes on counting)."""
+    run, G, start_version = agent_mod.load_agent(cfg.task), cfg.group_size, engine.version
     counts = dict.fromkeys(COUNTS, 0) | (counts or {})
-    G, failed, in_a_row, running, groups = cfg.group_size, 0, 0, {}, {}
-    index = start_index = -(-start_index // G) * G  # resume at the first group not yet started (whole groups only)
+    first = -(-start_index // G)  # resume at the first group not yet started (whole groups only)
+    index, failed, in_a_row, running, groups = first * G, 0, 0, {}, {}
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
-    knobs = dict(seed=cfg.seed, group_size=cfg.group_size, guess_max=cfg.guess_max, max_turns=cfg.max_turns,
-                 tool_timeout=cfg.tool_timeout, tool_memory_mb=cfg.tool_memory_mb, image_size=cfg.image_size,
-                 patch_size=cfg.patch_size, task_file=cfg.task_file)
-
+    knobs = {k: getattr(cfg, k) for k in ("seed", "group_size", "guess_max", "max_turns", "tool_timeout",
+                                          "tool_memory_mb", "image_size", "patch_size", "task_file")}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
 
     async def one(task, index):
@@ -483,13 +460,11 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             agent_task.cancel()
             agent_task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nothing to report later
             raise asyncio.TimeoutError(f"agent still running after episode_timeout={cfg.episode_timeout} s")
-        if isinstance(agent_task.exception(), ContextFull) and llm.calls:
-            result = truncated_episode(llm.calls)
-        else:
-            result = agent_task.result()
-        msgs = []
+        truncated = isinstance(agent_task.exception(), ContextFull) and llm.calls
+        result = truncated_episode(llm.calls) if truncated else agent_task.result()
         try:  # a chat agent returned its reward: its episodes (one per segment) come from the endpoint's record
             pairs = [(result, llm.calls)] if isinstance(result, agent_mod.Episode) else endpoint.segments(llm, result)
+            msgs = []
             for ep, calls in pairs:
                 record = check_tokens(ep, calls)
                 check_images(ep.ids, ep.images, getattr(engine, "c", None))  # e.g. a placeholder the policy sampled
@@ -501,71 +476,68 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
     while True:
         published = engine.shared_version.value if engine.shared_version is not None else engine.version
-        limit = (published - start_version + 1 + cfg.max_staleness) * cfg.prompts_per_step + dropped.value
-        while len(running) < cfg.concurrent_agents and index // G - start_index // G - failed < limit:
-            task = agent_mod.make_task(cfg.task, index, **knobs)
-            running[asyncio.create_task(one(task, index))] = index
+        allowed_groups = (published - start_version + 1 + cfg.max_staleness) * cfg.prompts_per_step + dropped.value
+        while len(running) < cfg.concurrent_agents and (index // G - first) - failed < allowed_groups:  # live ones
+            running[asyncio.create_task(one(agent_mod.make_task(cfg.task, index, **knobs), index))] = index
             index += 1
-        done = ()
-        if running:
-            done, _ = await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED)
-        else:
+        if not running:  # asyncio.wait takes no empty set
             await asyncio.sleep(0.01)
+        done = (await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED))[0] if running else ()
         for t in done:
-            i = running.pop(t)
-            err = t.exception()
+            i, err, msgs = running.pop(t), t.exception(), []
             if isinstance(err, ServerError):  # not the agent's fault, and every later call would fail too
                 raise err
             if err is None:
-                msg = t.result()  # a list of messages
-                for m in msg:
+                msgs = t.result()
+                for m in msgs:
                     m["stats"] = dict(counts, tokens_generated=engine.tokens_generated, engine_busy_s=engine.busy_s)
             else:
-                msg, key = None, "agent_timeouts" if isinstance(err, asyncio.TimeoutError) else \
+                key = "agent_timeouts" if isinstance(err, asyncio.TimeoutError) else \
                     "malformed" if isinstance(err, Malformed) else "agent_errors"
                 counts[key] += 1
                 print(f"[rollout] episode {i} dropped ({key}): {err!r}", file=sys.stderr)
-            group = groups.setdefault(i // G, [])
-            group.append(msg)
-            if len(group) == G:  # the group has ended: send what is left of it, or let another group start
-                kept = sorted((m for ms in groups.pop(i // G) if ms for m in ms),  # lists of messages
-                              key=lambda m: m["index"])
+            groups.setdefault(i // G, []).append(msgs)
+            if len(groups[i // G]) == G:  # the group has ended: send what is left of it, or let another group start
+                kept = sorted((m for ms in groups.pop(i // G) for m in ms), key=lambda m: m["index"])
                 if kept:
                     pending.append(pack(kept))
                     in_a_row = 0
-                else:
-                    failed, in_a_row = failed + 1, in_a_row + 1
-                    if in_a_row >= cfg.max_failed_groups:  # an agent that always fails would have us spin for good
-                        raise RuntimeError(f"{in_a_row} groups in a row had no episode that did not fail "
-                                           f"(max_failed_groups); the last error: {err!r}")
-        while pending:
-            try:
+                    continue
+                failed, in_a_row = failed + 1, in_a_row + 1
+                if in_a_row >= cfg.max_failed_groups:  # an agent that always fails would have us spin for good
+                    raise RuntimeError(f"{in_a_row} groups in a row had no episode that did not fail "
+                                       f"(max_failed_groups); the last error: {err!r}")
+        with contextlib.suppress(queue_mod.Full):  # what does not fit waits for the trainer to take some
+            while pending:
                 out_q.put_nowait(pending[0])
                 pending.popleft()
-            except queue_mod.Full:
-                break
 
 
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, counts=None):
     """Start the rollout process (trainer rank 0). torch, and sglang in memory: weights are copied to shared
     memory once and later versions written into them by `publish`. vllm, sglang on disk: each version is a
     directory (`write_weights`). Servers are started here (or given by cfg.server_urls), stopped by `close`."""
-    ctx = mp.get_context("spawn")
-    shared = servers = write = None
-    procs = []
+    ctx, procs, servers, write = mp.get_context("spawn"), [], None, None
     memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
-    if cfg.engine == "torch" or memory:
-        shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()}
+    shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()} \
+        if cfg.engine == "torch" or memory else None
     if cfg.engine != "torch":  # the servers start from the first version's directory
         write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
-        procs, servers = start_servers(cfg, write(start_version, weights), moe=model_cfg.num_experts > 0)
-    version, lock, dropped = ctx.Value("l", start_version), ctx.Lock(), ctx.Value("l", 0)
-    out_q = ctx.Queue(maxsize=cfg.queue_size)
+        first = write(start_version, weights)
+        if cfg.server_urls:  # servers started elsewhere: wait for them
+            servers = [(u.strip().rstrip("/"), None) for u in cfg.server_urls.split(",") if u.strip()]
+            for url, _ in servers:
+                wait_healthy(url, cfg.server_timeout)
+        else:
+            log = os.path.join(cfg.out_dir, f"{cfg.engine}_server.log")
+            proc, url = start_server(cfg.engine, first, cfg, log, moe=model_cfg.num_experts > 0)
+            procs, servers = [(proc, log)], [(url, log)]
+    link = types.SimpleNamespace(weights=shared, version=ctx.Value("l", start_version), lock=ctx.Lock(),
+                                 out_q=ctx.Queue(maxsize=cfg.queue_size), dropped=ctx.Value("l", 0), servers=servers)
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
-                       args=(cfg, model_cfg, shared, version, lock, out_q, dropped, start_index, tokenizer_dir, servers,
-                             counts))
+                       args=(cfg, model_cfg, link, start_index, tokenizer_dir, counts))
     proc.start()
-    return Rollout(proc, out_q, shared, version, lock, dropped, procs, None if memory else write)
+    return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write)
 
 
 class Rollout:
@@ -622,9 +594,8 @@ class Rollout:
 
 
 # ---- server engines: vLLM and SGLang over HTTP ----
-# Servers (own processes, own Python, or other machines) behind `await generate(ids)`: ids in and out, each with
-# its logprob (of the distribution sampled from) and routed experts. New weights: admission closes, running
-# requests finish under the old version (no pause/resume), every server moves to the new one, admission reopens.
+# Servers (own processes, own Python, or other machines) behind `await generate(ids)`. New weights: admission
+# closes, running requests finish under the old version, every server moves to the new one, admission reopens.
 # weight_sync "gloo" (CPU servers) / "nccl" (GPU): SGLang in memory, the rollout process broadcasting the shared
 # tensors `publish` fills (rank 0; server k: rank k + 1, tp 1). "disk" (vLLM; others): a directory per version.
 
@@ -634,8 +605,8 @@ class ServerError(RuntimeError):
 
 def _http(url, body=None, timeout=600.0):
     """POST `body` as JSON (GET when None) -> the decoded JSON answer, or its text."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         text = r.read().decode()
     with contextlib.suppress(ValueError):
@@ -836,18 +807,6 @@ def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
-
-
-def start_servers(cfg, model_dir, moe):
-    """cfg.server_urls: wait for those servers; else start one here. -> ([(process, log)], [(url, log)])"""
-    if cfg.server_urls:
-        urls = [u.strip().rstrip("/") for u in cfg.server_urls.split(",") if u.strip()]
-        for url in urls:
-            wait_healthy(url, cfg.server_timeout)
-        return [], [(url, None) for url in urls]
-    log = os.path.join(cfg.out_dir, f"{cfg.engine}_server.log")
-    proc, url = start_server(cfg.engine, model_dir, cfg, log, moe)
-    return [(proc, log)], [(url, log)]
 
 
 def start_server(kind, model_dir, cfg, log, moe=False):

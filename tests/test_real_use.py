@@ -50,7 +50,7 @@ def test_engine_prefill_and_weight_swap_never_build_logits_for_every_position():
         await asyncio.sleep(0)
         with LargestTensor() as mode:
             engine.step()  # prefill of all 8 rows
-            engine._new_version(1)  # the recompute of the rows in flight under new weights
+            engine.set_weights({}, 1)  # the recompute of the rows in flight under new weights
         for _ in range(8):
             engine.step()
         await asyncio.gather(*futs)
