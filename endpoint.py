@@ -45,7 +45,7 @@ def segments(llm, result) -> list:
     segment with sampled tokens, each as (Episode, its engine calls) for rollout.check_tokens."""
     reward, info = (result.get("reward"), result.get("info", {})) if isinstance(result, dict) else (result, {})
     if not isinstance(reward, (int, float)):
-        raise ValueError(f"a chat agent returns a float or a dict with 'reward', got {type(result).__name__}")
+        raise TypeError(f"a chat agent returns a float or a dict with 'reward', got {type(result).__name__}")
     if not llm.segs:  # a segment starts with a call the engine answered
         raise ValueError("the chat agent made no call to the endpoint")
     for s in llm.segs:

@@ -188,7 +188,9 @@ assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 masters
 assert all(s.dtype == torch.float32 for st in opt.state.values() for s in st.values() if s.dim()), "optimizer state"
 moved = sum((after[k] != before[k]).sum().item() for k in before)  # rank 0 holds the full state
 assert rank > 0 or moved > 0.5 * sum(v.numel() for v in before.values()), moved  # lr 1e-6 moved the fp32 masters
-print("ok", world)
+print("ok", world, flush=True)
+torch.distributed.destroy_process_group()
+__import__("os")._exit(0)  # no interpreter finalization: gloo's threads torn down there can abort a rank
 """
 
 
@@ -220,6 +222,8 @@ if rank == 0:
     ref = Transformer.from_pretrained(sys.argv[1]).state_dict()
     assert all(torch.equal(full[k], ref[k]) for k in ref)
 print("rank", rank, "peak_mb", peak // 1024, flush=True)
+torch.distributed.destroy_process_group()
+__import__("os")._exit(0)
 """
 
 
