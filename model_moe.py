@@ -10,6 +10,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -158,9 +159,8 @@ class MoE(nn.Module):
         E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = nn.Linear(H, E, bias=False)  # the router
-        self.w_gate = nn.Parameter(torch.empty(E, I, H))  # expert e's gate_proj.weight is w_gate[e]
-        self.w_up = nn.Parameter(torch.empty(E, I, H))
-        self.w_down = nn.Parameter(torch.empty(E, H, I))
+        self.w_gate, self.w_up, self.w_down = (nn.Parameter(torch.empty(E, *s))  # expert e's gate_proj.weight: w_gate[e]
+                                               for s in ((I, H), (I, H), (H, I)))
 
     def forward(self, x, replay=None, aux_mask=None):
         """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: tokens aux_loss counts (None: all)."""
@@ -355,20 +355,15 @@ class Transformer(nn.Module):
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
         """path: a Hugging Face directory, or a .gguf file (converted once, into convert_gguf's default out_dir)."""
         path = convert_gguf(str(path)) if str(path).endswith(".gguf") else path
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
+        cfg_path, index = Path(path, "config.json"), Path(path, "model.safetensors.index.json")
+        if not cfg_path.is_file():
             raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
-        with open(cfg_path) as f:
-            c = ModelConfig.from_hf(json.load(f), cfg_path)
+        c = ModelConfig.from_hf(json.loads(cfg_path.read_text()), cfg_path)
         with torch.device("meta"):
             model = cls(c)
-        index, files = os.path.join(path, "model.safetensors.index.json"), ["model.safetensors"]
-        if os.path.isfile(index):  # a sharded checkpoint
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        state = {}
-        for name in files:  # a missing file raises FileNotFoundError, naming it
-            state.update(load_file(os.path.join(path, name)))
+        # a sharded checkpoint lists its files in the index; a missing file raises FileNotFoundError, naming it
+        files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else ["model.safetensors"]
+        state = {k: t for name in sorted(files) for k, t in load_file(os.path.join(path, name)).items()}
         expected = to_hf_state(model.state_dict(), c)
         missing = [k for k in expected if k not in state]
         extra = [k for k in state if k not in expected and not (k == "lm_head.weight" and c.tie_word_embeddings)]

@@ -5,14 +5,13 @@ import json
 import os
 import sys
 
-import matplotlib
-matplotlib.use("Agg")  # no display needed
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure  # not pyplot: no backend, no display needed
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "out/guess"
 ms = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
 t = [sum(m["time/step"] for m in ms[1:i + 1]) for i in range(len(ms))]  # wall seconds since the first step
-fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+fig = Figure(figsize=(11, 4), layout="tight")
+a, b = fig.subplots(1, 2)
 a.plot(t, [m["reward/mean"] for m in ms], lw=0.8, label="reward/mean")
 k = 10  # a moving average shows the trend through the batch-to-batch noise
 avg = [sum(m["reward/mean"] for m in ms[i - k + 1:i + 1]) / k for i in range(k - 1, len(ms))]
@@ -27,6 +26,5 @@ b.plot([s for s, _ in flips], [v + 1e-12 for _, v in flips], lw=0.8,
        label="routing/flip_frac (replayed experts\nthe trainer's router would not pick)")
 b.set(xlabel="step", title="trainer vs engine", ylim=(1e-9, 10))
 b.legend()
-fig.tight_layout()
 fig.savefig(os.path.join(out_dir, "curves.png"), dpi=110)
 print(f"wrote {os.path.join(out_dir, 'curves.png')}")
