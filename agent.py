@@ -3,7 +3,6 @@
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import inspect
 import itertools
 import json
@@ -11,6 +10,7 @@ import math
 import os
 import random
 import re
+import runpy
 import signal
 import sys
 import tempfile
@@ -275,8 +275,7 @@ async def guess(task: dict, llm) -> Episode:
 
 
 async def calc(task: dict, llm) -> dict:
-    """Compute a*b+c: a chat agent (the openai client on the endpoint) with a `python` tool run in the sandbox;
-    the last integer of its last reply answers."""
+    """a*b+c: a chat agent (openai client on the endpoint), a sandboxed `python` tool; last reply's last int answers."""
     import openai  # here: only chat agents need it
     msgs = [{"role": "user", "content": CALC_PROMPT.format(task["a"], task["b"], task["c"])}]
     calls = errors = 0
@@ -343,10 +342,7 @@ def load_agent(name: str):
         return TASKS[name]
     if not os.path.isfile(name):
         raise FileNotFoundError(f"agent {name!r} is neither a built-in task ({', '.join(TASKS)}) nor an existing file")
-    spec = importlib.util.spec_from_file_location(f"nanomolt_agent_{Path(name).stem}", name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    run = getattr(module, "run", None)
+    run = runpy.run_path(name, run_name=f"nanomolt_agent_{Path(name).stem}").get("run")
     if not inspect.iscoroutinefunction(run):
         raise ValueError(f"agent file {name!r} does not define `async def run(task, llm)`")
     return run
