@@ -153,7 +153,6 @@ class MLP(nn.Module):
 
 class MoE(nn.Module):
     """Softmax router, top-k experts, SwiGLU experts stored stacked; tokens grouped per expert."""
-
     def __init__(self, c: ModelConfig):
         super().__init__()
         E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
@@ -226,7 +225,6 @@ class Block(nn.Module):
 class KVCache:
     """One slot per request: k, v (L, S, nkv, max_len, hd). A row's token at position p sits at index p of its slot:
     rows of any lengths share a batch; a freed slot is reused uncleared (stale entries lie past the new positions)."""
-
     def __init__(self, c: ModelConfig, n_slots, max_len, dtype=torch.float32, device="cpu"):
         shape = (c.num_hidden_layers, n_slots, c.num_key_value_heads, max_len, c.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
@@ -257,7 +255,6 @@ class VisionEncoder(nn.Module):
     """Images (N, C, H, W) in [0, 1] -> features (N, n_patches, hidden_size). A ViT in miniature (arXiv:2010.11929):
     each patch flattened, embedded by one linear map, given a learned position; pre-norm blocks (the decoder's, dense)
     attend over all of an image's patches; an MLP projector maps into the decoder's width (LLaVA, arXiv:2304.08485)."""
-
     def __init__(self, c: ModelConfig):
         super().__init__()
         D, self.p = c.vision_hidden, c.patch_size
