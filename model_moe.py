@@ -158,8 +158,8 @@ class MoE(nn.Module):
         E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = nn.Linear(H, E, bias=False)  # the router
-        self.w_gate, self.w_up, self.w_down = (nn.Parameter(torch.empty(E, *s))  # expert e's gate_proj.weight: w_gate[e]
-                                               for s in ((I, H), (I, H), (H, I)))
+        # expert e's gate_proj.weight is w_gate[e]
+        self.w_gate, self.w_up, self.w_down = (nn.Parameter(torch.empty(E, *s)) for s in ((I, H), (I, H), (H, I)))
 
     def forward(self, x, replay=None, aux_mask=None):
         """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: tokens aux_loss counts (None: all)."""
