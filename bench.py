@@ -1,6 +1,6 @@
 """bench.py: the numbers README's "Performance" section quotes, each as measured, baseline and ratio.
-    python bench.py [engine|overlap|parity|trainer|flops|moe|publish|all] [--quick] [--threads N]
-engine, overlap, parity on all cores; the others on CPU 0, one thread (scale, memory: last run at commit 8482101).
+    python bench.py [engine|overlap|parity|trainer|moe|publish|all] [--quick] [--threads N]
+engine, overlap, parity on all cores; the others on CPU 0, one thread (scale, memory, flops: last run at commit 8482101).
 On a shared machine run one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py overlap"""
 import argparse
 import asyncio
@@ -139,30 +139,6 @@ def bench_trainer():
            f"{tokens / t['full']:,.0f}", f"{tokens / t['plain']:,.0f}", f"{t['plain'] / t['full']:.2f}", ">= 0.90")])
 
 
-def step_flops(c, mb):
-    """Matmul FLOPs of a train step (3x forward) on a micro-batch [(msg, adv)]: full T x T, top-k, trained logits."""
-    B, T, n_logits = len(mb), max(len(m["ids"]) for m, _ in mb), sum(len(m["engine_ids"]) for m, _ in mb)
-    N, H, hd = B * T, c.hidden_size, c.head_dim
-    attn = 4 * N * H * hd * (c.num_attention_heads + c.num_key_value_heads) + 4 * B * c.num_attention_heads * T * T * hd
-    mlp = sum(2 * N * H * (3 * c.moe_intermediate_size * c.num_experts_per_tok + c.num_experts) if c.is_moe_layer(i)
-              else 6 * N * H * c.intermediate_size for i in range(c.num_hidden_layers))
-    return 3 * (c.num_hidden_layers * attn + mlp + 2 * n_logits * H * c.vocab_size)
-
-
-def bench_flops():
-    """The baseline is the best this core does at all: one large fp32 matmul."""
-    n, rows, a = 2 if args.quick else 5, [], torch.randn(2048, 2048)
-    for width in (128,) if args.quick else (128, 256, 512):
-        s = setup(width)
-        peak = 2 * 2048 ** 3 / timed({"mm": lambda: a @ a}, 3 * n, best=True)["mm"]  # FLOP/s
-        flops = sum(step_flops(s["model"].config, mb) for mini in s["share"]["mini_batches"] for mb in mini)
-        fl = flops / timed({"step": s["step"]}, n)["step"]
-        rows.append((f"tiny_hidden={width} ({sum(p.numel() for p in s['model'].parameters()) / 1e6:.1f}M params)",
-                     f"{fl / 1e9:.1f}", f"{peak / 1e9:.1f}", f"{fl / peak:.0%}", ">= 50%" if width == 128 else ""))
-    table(f"hardware use: train_step FLOP/s (median of {n}) vs a 2048x2048 fp32 matmul (best of {3 * n})",
-          ["model", "trainer GFLOP/s (measured)", "matmul GFLOP/s (baseline)", "ratio", "target"], rows)
-
-
 def bench_moe():
     """Two baselines: the MoE as first written (naive), and a dense MLP as wide as its active parameters per token."""
     n, rows = 3 if args.quick else 10, []
@@ -234,7 +210,7 @@ def bench_engine():
 
 
 BENCHES = {"engine": bench_engine, "overlap": bench_overlap, "parity": bench_parity, "trainer": bench_trainer,
-           "flops": bench_flops, "moe": bench_moe, "publish": bench_publish}
+           "moe": bench_moe, "publish": bench_publish}
 if __name__ == "__main__":  # not in the rollout process that setup() spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")
@@ -243,7 +219,7 @@ if __name__ == "__main__":  # not in the rollout process that setup() spawns
     args = ap.parse_args()
     os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
     for name in [*list(BENCHES)[1:], "engine"] if args.section == "all" else [args.section]:
-        one_core = name in ("trainer", "flops", "moe", "publish")  # the trainer's share of a 2-core machine
+        one_core = name in ("trainer", "moe", "publish")  # the trainer's share of a 2-core machine
         os.sched_setaffinity(0, {0} if one_core else range(os.cpu_count()))
         torch.set_num_threads(1 if one_core else args.threads or os.cpu_count())
         BENCHES[name]()
