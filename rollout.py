@@ -1,11 +1,10 @@
 """
-rollout.py: generation. The embedded torch engine (continuous batching over a slot KV cache), the rollout
-process that runs agents against it, the bounded shared-memory queue to the trainer, and the vLLM / SGLang
-server engines (last section), which agents use through the same `await generate(ids)`. Every generated token
-comes back with its id, its logprob under the distribution it was sampled from (temperature, top-k, top-p
-applied), the version of the weights that sampled it and, for MoE, its experts. Weights live in shared memory:
-the trainer copies new ones in under a lock and bumps the version; the engine sees them between decode steps.
-"""
+rollout.py: generation. The embedded torch engine (continuous batching over a slot KV cache), the rollout process
+that runs agents against it, the bounded shared-memory queue to the trainer, and the vLLM / SGLang server engines
+(last section), all behind `await generate(ids)`. Every generated token comes back with its logprob under the
+distribution it was sampled from, the version of the weights that sampled it and, for MoE, its experts. Weights
+live in shared memory: the trainer copies new ones in under a lock and bumps the version; the engine sees them
+between decode steps."""
 import asyncio
 import base64
 import concurrent.futures
