@@ -404,13 +404,11 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
                               timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, weights=link.weights,
                               sync=cfg.weight_sync, **sampling)
     else:
-        dtype = getattr(torch, cfg.dtype)  # the compute dtype, as in the trainer
-        copy = torch.cuda.is_available() or dtype != torch.float32
-        if copy:  # a copy, refreshed from the shared tensors at each new version
-            model = Transformer(model_cfg).to("cuda" if torch.cuda.is_available() else "cpu", dtype)
-        else:  # on CPU in float32 the parameters ARE the shared tensors: nothing to copy
-            with torch.device("meta"):
-                model = Transformer(model_cfg)
+        copy = torch.cuda.is_available() or cfg.dtype != "float32"  # on CPU in float32 the parameters ARE the
+        with contextlib.nullcontext() if copy else torch.device("meta"):  # shared tensors: nothing to copy
+            model = Transformer(model_cfg)
+        if copy:  # a copy in the compute dtype (as in the trainer), refreshed from the shared tensors each version
+            model = model.to("cuda" if torch.cuda.is_available() else "cpu", getattr(torch, cfg.dtype))
         model.load_state_dict(link.weights, assign=not copy)
         if model_cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
