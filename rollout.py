@@ -602,8 +602,7 @@ def vllm_command(model_dir, port, cfg, moe):
     """-> (arguments after the interpreter, environment) that start vLLM's OpenAI-compatible server."""
     argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", cfg.dtype, "--max-model-len", str(cfg.engine_max_len),
-            "--seed", str(cfg.seed),
-            "--logprobs-mode", "processed_logprobs",  # the logprob of the distribution sampled from
+            "--seed", str(cfg.seed), "--logprobs-mode", "processed_logprobs",  # of the distribution sampled from
             "--generation-config", "vllm"]  # no sampling defaults from the checkpoint: ours are explicit
     # dev mode serves /pause, /resume, /collective_rpc, /reset_prefix_cache; the CPU build needs a KV size (GiB)
     return argv, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
