@@ -466,9 +466,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
         while len(running) < cfg.concurrent_agents and (index // G - first) - failed < allowed_groups:  # live ones
             running[asyncio.create_task(one(agent_mod.make_task(cfg.task, index, **knobs), index))] = index
             index += 1
-        if not running:  # asyncio.wait takes no empty set
-            await asyncio.sleep(0.01)
-        done = (await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED))[0] if running else ()
+        done = (await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED))[0] if running \
+            else await asyncio.sleep(0.01, ())  # asyncio.wait takes no empty set
         for t in done:
             i, err, msgs = running.pop(t), t.exception(), []
             if isinstance(err, ServerError):  # not the agent's fault, and every later call would fail too
