@@ -104,7 +104,6 @@ class _Request:
 class TorchEngine:
     """Embedded engine: `await generate(ids)` from many agents; one `step()` runs one prefill (new rows) and one
     decode (all rows). A finished row's slot is refilled at the next step."""
-
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
                  max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None, chunk_tokens=8192):
         self.model, self.c = model.eval(), model.config
@@ -226,7 +225,6 @@ class TorchEngine:
 class Policy:
     """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`. One per episode: it keeps
     what the engine was given and returned, to check the episode against (token identity)."""
-
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer, self.calls, self.closed = engine, tokenizer, [], False
 
@@ -526,7 +524,6 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
 
 class Rollout:
     """The trainer's handle on the rollout process (and on the inference servers it started)."""
-
     def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None):
         self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
         self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
@@ -661,7 +658,6 @@ SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weigh
 
 class ServerEngine:
     """Round-robin over the servers (data parallel), one HTTP call per request in a thread; run() swaps weights."""
-
     def __init__(self, kind, urls, *, model_config, weights_dir, logs=None, temperature=1.0, top_p=1.0, top_k=0,
                  max_new_tokens=16, max_len=512, stop_ids=(), seed=0, version=None, timeout=600.0, concurrency=64,
                  weights=None, lock=None, sync="disk"):
