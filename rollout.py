@@ -1,11 +1,10 @@
 """
-rollout.py: generation. The embedded torch engine (continuous batching over a slot KV cache), the rollout
-process that runs agents against it, the bounded shared-memory queue to the trainer, and the vLLM / SGLang
-server engines (last section), which agents use through the same `await generate(ids)`. Every generated token
-comes back with its id, its logprob under the distribution it was sampled from (temperature, top-k, top-p
-applied), the version of the weights that sampled it and, for MoE, its experts. Weights live in shared memory:
-the trainer copies new ones in under a lock and bumps the version; the engine sees them between decode steps.
-"""
+rollout.py: generation. The embedded torch engine (continuous batching over a slot KV cache), the rollout process
+that runs agents against it, the bounded shared-memory queue to the trainer, and the vLLM / SGLang server engines
+(last section), all behind `await generate(ids)`. Every generated token comes back with its logprob under the
+distribution it was sampled from, the version of the weights that sampled it and, for MoE, its experts. Weights
+live in shared memory: the trainer copies new ones in under a lock and bumps the version; the engine sees them
+between decode steps."""
 import asyncio
 import base64
 import concurrent.futures
@@ -105,7 +104,6 @@ class _Request:
 class TorchEngine:
     """Embedded engine: `await generate(ids)` from many agents; one `step()` runs one prefill (new rows) and one
     decode (all rows). A finished row's slot is refilled at the next step."""
-
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
                  max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None, chunk_tokens=8192):
         self.model, self.c = model.eval(), model.config
@@ -153,12 +151,9 @@ class TorchEngine:
 
     @torch.inference_mode()  # not no_grad: it also skips autograd's view and version tracking
     def _forward(self, rows, chunks, start, prefill=False, logits=True):
-        """Run each row's chunk of tokens at positions start.. in its slot; returns the logits at each row's last
-        chunk token (B, V) and records routing for those positions. prefill: the chunks start at 0 and hold every
-        placeholder, so the rows' images go in (decode steps are text only). Rows go through the model in groups
-        of at most `chunk_tokens` padded tokens, and only the last position's logits are computed: (B, T, V) for
-        a real vocabulary would not fit. A group's inputs are built as one tensor each and its routing recorded
-        with one indexed write: row by row, small tensors cost more than the decode step's compute."""
+        """-> logits (B, V) at each row's last chunk token. prefill: the chunks hold every placeholder, so images go
+        in. Groups of at most `chunk_tokens` padded tokens, logits only at the last position ((B, T, V) would not
+        fit), tensors built per group, not per row: small tensors cost more than the decode step's compute."""
         out, i, dev = [], 0, self.cache.k.device
         while i < len(rows):
             n, T = 1, len(chunks[i])
@@ -219,7 +214,6 @@ class TorchEngine:
                     r.future.set_result(Completion(r.ids[r.prompt_len:], r.logprobs, r.versions, routing))
 
     async def run(self):
-        """The engine loop: step while there is work, sleep when there is none."""
         while True:
             if not self.waiting and not self.active:
                 self.wake.clear()
@@ -231,7 +225,6 @@ class TorchEngine:
 class Policy:
     """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`. One per episode: it keeps
     what the engine was given and returned, to check the episode against (token identity)."""
-
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer, self.calls, self.closed = engine, tokenizer, [], False
 
@@ -299,11 +292,9 @@ def save_tokenizer(src, dst):
 
 
 def check_tokens(ep, calls):
-    """The trainer must train exactly the tokens the engine saw and sampled: every call's prompt is a
-    prefix of the episode, its sampled ids follow it with loss_mask 1, and nothing else has mask 1; its
-    images are the first of the episode's (the same pixels). -> the engine's record over the episode:
-    logprobs and versions [T] (0.0 and -1 where mask 0), routing (T, n_moe_layers, top_k) int16 or None
-    (-1 where no engine computed it) and engine_ids (every sampled id, in order)."""
+    """The trainer must train exactly the tokens the engine saw and sampled (ValueError otherwise). -> the
+    engine's record: logprobs, versions [T] (0.0, -1 where mask 0), routing (T, n_moe_layers, top_k) int16 or
+    None (-1 where not computed), engine_ids (every sampled id, in order)."""
     T = len(ep.ids)
     logprobs, versions, sampled, routing = [0.0] * T, [-1] * T, 0, None
     for prompt, c, images in calls:
@@ -382,9 +373,8 @@ def unpack(item):
 
 
 def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
-    """Entry of the rollout process. link: what it shares with the trainer (start_rollout): weights (the shared
-    state dict the engine computes with: torch, sglang in memory), version, lock, out_q, dropped, and servers:
-    [(url, log path or None)] of the inference servers (vllm, sglang) or None."""
+    """Entry of the rollout process. link (start_rollout): weights (shared; None on disk), version, lock, out_q,
+    dropped, servers ([(url, log path or None)] or None: the torch engine)."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a trainer killed with -9 takes this process along
     if os.getppid() != mp.parent_process().pid:  # ... also if it died before the line above ran
         os._exit(1)
@@ -402,8 +392,7 @@ def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
 
 
 async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok = _tokenizer(tokenizer_dir)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
                     max_len=cfg.engine_max_len, stop_ids=stop_ids(tok, tokenizer_dir), seed=cfg.seed,
                     version=link.version, lock=link.lock)
@@ -413,13 +402,11 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
                               timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, weights=link.weights,
                               sync=cfg.weight_sync, **sampling)
     else:
-        dtype = getattr(torch, cfg.dtype)  # the compute dtype, as in the trainer
-        copy = torch.cuda.is_available() or dtype != torch.float32
-        if copy:  # a copy, refreshed from the shared tensors at each new version
-            model = Transformer(model_cfg).to("cuda" if torch.cuda.is_available() else "cpu", dtype)
-        else:  # on CPU in float32 the parameters ARE the shared tensors: nothing to copy
-            with torch.device("meta"):
-                model = Transformer(model_cfg)
+        copy = torch.cuda.is_available() or cfg.dtype != "float32"  # on CPU in float32 the parameters ARE the
+        with contextlib.nullcontext() if copy else torch.device("meta"):  # shared tensors: nothing to copy
+            model = Transformer(model_cfg)
+        if copy:  # a copy in the compute dtype (as in the trainer), refreshed from the shared tensors each version
+            model = model.to("cuda" if torch.cuda.is_available() else "cpu", getattr(torch, cfg.dtype))
         model.load_state_dict(link.weights, assign=not copy)
         if model_cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -434,12 +421,9 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
 
 
 async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, counts=None):
-    """Run agents, `concurrent_agents` at a time, and put finished groups on the queue: one item per group,
-    its episodes that did not fail, once all group_size of them have ended, so a batch never splits a group
-    (its advantages compare the whole group). Admission bounds staleness: a group may start only while the
-    live groups (started, not all failed) number fewer than the allowed ones, (version + 1 + max_staleness) *
-    prompts_per_step plus those the trainer dropped. With max_staleness=0 this is synchronous RL: batch v is
-    sampled entirely by weights v. counts: the COUNTS so far (a resumed run goes on counting)."""
+    """Run agents and queue each group whole, once all its episodes ended (its advantages compare the whole
+    group). Staleness bound: a group starts only while fewer groups are live (started, not all failed) than
+    (version + 1 + max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL."""
     run, G, start_version = agent_mod.load_agent(cfg.task), cfg.group_size, engine.version
     counts = dict.fromkeys(COUNTS, 0) | (counts or {})
     first = -(-start_index // G)  # resume at the first group not yet started (whole groups only)
@@ -480,9 +464,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
         while len(running) < cfg.concurrent_agents and (index // G - first) - failed < allowed_groups:  # live ones
             running[asyncio.create_task(one(agent_mod.make_task(cfg.task, index, **knobs), index))] = index
             index += 1
-        if not running:  # asyncio.wait takes no empty set
-            await asyncio.sleep(0.01)
-        done = (await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED))[0] if running else ()
+        done = (await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED))[0] if running \
+            else await asyncio.sleep(0.01, ())  # asyncio.wait takes no empty set
         for t in done:
             i, err, msgs = running.pop(t), t.exception(), []
             if isinstance(err, ServerError):  # not the agent's fault, and every later call would fail too
@@ -514,9 +497,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
 
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, counts=None):
-    """Start the rollout process (trainer rank 0). torch, and sglang in memory: weights are copied to shared
-    memory once and later versions written into them by `publish`. vllm, sglang on disk: each version is a
-    directory (`write_weights`). Servers are started here (or given by cfg.server_urls), stopped by `close`."""
+    """Start the rollout process (trainer rank 0), and the servers unless cfg.server_urls names them. Weights go
+    to shared memory (torch, sglang in memory) or a directory per version (`write_weights`: disk)."""
     ctx, procs, servers, write = mp.get_context("spawn"), [], None, None
     memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
     shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()} \
@@ -542,11 +524,9 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
 
 class Rollout:
     """The trainer's handle on the rollout process (and on the inference servers it started)."""
-
     def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None):
         self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
-        self.dropped = dropped
-        self.servers, self.write = servers, write  # [(server process, log path)]; the weight writer of server engines
+        self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
 
     def get(self, timeout=1.0):
         """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
@@ -618,8 +598,7 @@ def vllm_command(model_dir, port, cfg, moe):
     """-> (arguments after the interpreter, environment) that start vLLM's OpenAI-compatible server."""
     argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", cfg.dtype, "--max-model-len", str(cfg.engine_max_len),
-            "--seed", str(cfg.seed),
-            "--logprobs-mode", "processed_logprobs",  # the logprob of the distribution sampled from
+            "--seed", str(cfg.seed), "--logprobs-mode", "processed_logprobs",  # of the distribution sampled from
             "--generation-config", "vllm"]  # no sampling defaults from the checkpoint: ours are explicit
     # dev mode serves /pause, /resume, /collective_rpc, /reset_prefix_cache; the CPU build needs a KV size (GiB)
     return argv, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
@@ -679,24 +658,22 @@ SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weigh
 
 class ServerEngine:
     """Round-robin over the servers (data parallel), one HTTP call per request in a thread; run() swaps weights."""
-
     def __init__(self, kind, urls, *, model_config, weights_dir, logs=None, temperature=1.0, top_p=1.0, top_k=0,
                  max_new_tokens=16, max_len=512, stop_ids=(), seed=0, version=None, timeout=600.0, concurrency=64,
                  weights=None, lock=None, sync="disk"):
-        self.api, self.urls, self.logs = SERVERS[kind], list(urls), list(logs or [None] * len(urls))
-        c, self.top_k = model_config, model_config.num_experts_per_tok
+        c, self.api, self.urls, self.logs = model_config, SERVERS[kind], list(urls), list(logs or [None] * len(urls))
+        self.top_k = c.num_experts_per_tok
         self.moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
         self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=list(stop_ids),
                            experts=bool(self.moe_layers))
         self.max_new, self.max_len, self.seed, self.timeout = max_new_tokens, max_len, seed, timeout
-        self.weights_dir, self.shared_version = weights_dir, version
+        self.weights_dir, self.shared_version, self.lock, self.sync = weights_dir, version, lock, sync
         self.hf = None  # in-memory sync (sglang): the shared tensors under the servers' names (views), as written
         if weights is not None and sync != "disk":  # by write_weights: lm_head its own tensor
             lm_head = {"lm_head.weight": weights.get("lm_head.weight", weights["model.embed_tokens.weight"])}
             self.hf = to_hf_state(weights | lm_head, dataclasses.replace(c, tie_word_embeddings=False))
-        self.lock, self.sync, self.group, self.meta = lock, sync, None, None
         self.version = version.value if version is not None else 0  # tokens are tagged with it
-        self.loaded = None  # the version the servers hold; None: unknown, so run() loads `version` first
+        self.group = self.meta = self.loaded = None  # loaded: the servers' version (None: unknown, run() loads one)
         self.open, self.idle = asyncio.Event(), asyncio.Event()  # admitting requests; none in flight
         self.idle.set()
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call

@@ -37,7 +37,8 @@ def run(engine, prompts, delays=None, **kw):
 
 def prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, V, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [torch.randint(0, V, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
 
 
 def full_logits(model, seq):
@@ -75,7 +76,8 @@ def test_greedy_equals_argmax_of_full_forward():
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.9, 10, 0.6)])
 def test_sampled_logprobs_match_full_forward(temperature, top_k, top_p):
     m = tiny(1)
-    e = TorchEngine(m, slots=8, max_len=64, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=3)
+    e = TorchEngine(m, slots=8, max_len=64, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12,
+                    seed=3)
     for p, c in zip(prompts(5, 1), run(e, prompts(5, 1))):
         logits = full_logits(m, p + c.ids)
         for j, (t, lp) in enumerate(zip(c.ids, c.logprobs)):
@@ -102,7 +104,8 @@ def test_sampler_frequencies_follow_the_filtered_distribution():
 
 def test_routing_matches_full_forward():
     m = tiny(2)
-    for p, c in zip(prompts(4, 2), run(TorchEngine(m, slots=2, max_len=64, temperature=1.0, max_new_tokens=6), prompts(4, 2))):
+    engine = TorchEngine(m, slots=2, max_len=64, temperature=1.0, max_new_tokens=6)
+    for p, c in zip(prompts(4, 2), run(engine, prompts(4, 2))):
         seq = p + c.ids
         with torch.no_grad():
             _, routing = m(torch.tensor([seq]), return_routing=True)  # (L, 1, T, k)
@@ -325,7 +328,8 @@ def test_batches_get_whole_groups_and_a_failed_group_is_replaced(tok, tmp_path):
     """Each queue item is one group: its surviving episodes, sent once all of them have ended. A group whose
     episodes all failed frees its place, else at max_staleness=0 the rollout would wait for it forever."""
     (tmp_path / "groups.py").write_text(GROUP_AGENT)
-    cfg = config.load([f"--task={tmp_path / 'groups.py'}", "--group_size=3", "--prompts_per_step=2", "--max_staleness=0"])
+    cfg = config.load([f"--task={tmp_path / 'groups.py'}", "--group_size=3", "--prompts_per_step=2",
+                       "--max_staleness=0"])
     engine, out = engine_for(tok, 3), queue.Queue()
 
     async def main():
@@ -342,7 +346,8 @@ def test_batches_get_whole_groups_and_a_failed_group_is_replaced(tok, tmp_path):
         loop_task.cancel()
         return items
     items = asyncio.run(main())
-    assert sorted([m["index"] for m in g] for g in items) == [[0, 2], [6, 8]]  # group 1 failed whole, group 2 took its place
+    # group 1 failed whole, group 2 took its place
+    assert sorted([m["index"] for m in g] for g in items) == [[0, 2], [6, 8]]
     assert all(m["group"] == m["index"] // 3 for g in items for m in g)
 
 
@@ -375,4 +380,5 @@ def test_pack_unpack_round_trip_with_missing_fields():
     for a, b in zip(group, rollout.unpack(item)):
         assert a.keys() == b.keys()
         for k in a:
-            assert (b[k] is None) if a[k] is None else torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+            assert (b[k] is None) if a[k] is None else \
+                torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
