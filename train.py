@@ -140,10 +140,10 @@ def collate(msgs, device):
     """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k) with -1 padding."""
     def pad(key, value):
         return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value)
+    routed = msgs[0]["routing"] is not None
     b = {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
-         "rollout_logp": pad("logprobs", 0.0), "routing": None, "images": None}
-    if msgs[0]["routing"] is not None:
-        b["routing"] = pad("routing", -1).permute(2, 0, 1, 3)  # (B, T, L, k) -> (L, B, T, k)
+         "rollout_logp": pad("logprobs", 0.0), "images": None,
+         "routing": pad("routing", -1).permute(2, 0, 1, 3) if routed else None}  # (B, T, L, k) -> (L, B, T, k)
     if images := [m["images"] for m in msgs if m.get("images") is not None]:  # (N_b, C, H, W) each, in row order
         b["images"] = torch.cat(images)  # the pixels the engine saw
     for row, m, msg in zip(b["ids"], b["loss_mask"].bool(), msgs):  # token identity: we train what was sampled
@@ -164,15 +164,13 @@ def split_batch(msgs, advantages, world, budget):
     holds at most `budget` padded tokens (or one episode). Every rank gets the same number of micro-batches,
     some maybe empty: FSDP's collectives pair up forward by forward across the ranks."""
     pairs = sorted(zip(msgs, advantages), key=lambda p: -len(p[0]["ids"]))
-    ranks = []
-    for r in range(world):
-        mbs = []
+    ranks = [[] for _ in range(world)]
+    for r, mbs in enumerate(ranks):
         for p in pairs[r::world]:
             if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0][0]["ids"]) <= budget:
                 mbs[-1].append(p)
             else:
                 mbs.append([p])
-        ranks.append(mbs)
     n = max(1, *map(len, ranks))
     return [mbs + [[] for _ in range(n - len(mbs))] for mbs in ranks]
 
@@ -220,9 +218,8 @@ def micro_loss(model, b, cfg, counts, adv, world):
     per_tok, clip_frac = est.POLICY_LOSSES[cfg.policy_loss](
         logp=logp, old_logp=old, advantages=A, loss_mask=mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip or None)
-    per_tok = per_tok * w
     ent = est.entropy(logits=logits if cfg.entropy_coef else logits.detach())  # (n,)
-    per_tok = per_tok - cfg.entropy_coef * torch.zeros_like(mask).masked_scatter(mask.bool(), ent)
+    per_tok = per_tok * w - cfg.entropy_coef * torch.zeros_like(mask).masked_scatter(mask.bool(), ent)
     kl = torch.zeros_like(mask)
     if "ref_logp" in b:  # KL to the frozen initial policy, on the sampled tokens
         raw = token_logp(model, b, cfg, logits, filtered=False)[1] if cfg.top_k or cfg.top_p < 1 else logp
@@ -266,10 +263,9 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
     several = cfg.ppo_epochs * len(batches) > 1
     with torch.no_grad():  # ---- recompute: what the batch is scored against, before any update ----
         for b, _ in (x for mini in batches for x in mini):
-            if ref is not None:
-                b["ref_logp"] = token_logp(ref, b, cfg, filtered=False)[1]
-            if teacher is not None:
-                b["teacher_logp"] = token_logp(teacher, b, cfg, filtered=False)[1]
+            for key, frozen in (("ref_logp", ref), ("teacher_logp", teacher)):
+                if frozen is not None:
+                    b[key] = token_logp(frozen, b, cfg, filtered=False)[1]
             if several:  # pi_old for every mini-batch now; a single update takes it from its own forward
                 b["old_logp"] = token_logp(model, b, cfg)[1]
     losses, checks, stale_max, norms = 0, 0, 0, []
