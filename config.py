@@ -4,6 +4,7 @@ assigns fields) is read first, then `--key=value` overrides; `--help` lists ever
 Unknown keys, wrong types and impossible combinations fail before anything starts, naming the key.
 """
 import ast
+import re
 import sys
 import types
 from dataclasses import asdict, dataclass, fields
@@ -94,15 +95,11 @@ class Config:
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),
             ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
-            ("group_size", self.group_size >= 1, "must be >= 1"),
-            ("prompts_per_step", self.prompts_per_step >= 1, "must be >= 1"),
-            ("micro_batch_tokens", self.micro_batch_tokens >= 1, "must be >= 1"),
+            *((key, getattr(self, key) >= 1, "must be >= 1") for key in
+              ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns")),
             ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..{self.batch_size}"),
-            ("ppo_epochs", self.ppo_epochs >= 1, "must be >= 1"),
-            ("max_failed_groups", self.max_failed_groups >= 1, "must be >= 1"),
             ("teacher", (self.advantage == "opd") == bool(self.teacher), "is given exactly when advantage=opd"),
             ("replay", not (self.replay and self.rollout_dump), "and rollout_dump do not go together"),
-            ("max_turns", self.max_turns >= 1, "must be >= 1"),
             ("guess_max", 1 <= self.guess_max <= 9, "must be in 1..9 (a guess is one digit)"),
             ("patch_size", self.patch_size >= 1 and self.image_size % self.patch_size == 0, "must divide image_size"),
             ("tiny_vision", self.tiny_vision or not (self.model == "tiny" and self.task == "count"),
@@ -115,10 +112,9 @@ class Config:
             ("queue_size", self.queue_size >= self.prompts_per_step, f"must be >= {self.prompts_per_step} (a batch)"),
         ]
         import estimators  # the variant names live beside the functions
-        for key, table in (("advantage", estimators.ADVANTAGES), ("policy_loss", estimators.POLICY_LOSSES),
-                           ("correction", estimators.CORRECTIONS), ("aggregation", estimators.AGGREGATIONS),
-                           ("kl_estimator", estimators.KL)):
-            table = table | {"opd": None} if key == "advantage" else table
+        for key, table in (("advantage", estimators.ADVANTAGES | {"opd": None}), ("kl_estimator", estimators.KL),
+                           ("policy_loss", estimators.POLICY_LOSSES), ("correction", estimators.CORRECTIONS),
+                           ("aggregation", estimators.AGGREGATIONS)):
             checks.append((key, getattr(self, key) in table, f"must be one of {', '.join(table)}"))
         for key, ok, why in checks:
             if not ok:
@@ -127,12 +123,7 @@ class Config:
 
 def field_docs():
     """The trailing comment of each field, read from this file's source (one place for the docs)."""
-    docs = {}
-    for line in open(__file__).read().splitlines():
-        name, sep, rest = line.strip().partition(":")
-        if sep and "#" in rest and name.isidentifier():
-            docs[name] = rest.split("#", 1)[1].strip()
-    return docs
+    return dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", open(__file__).read(), re.M))
 
 
 def _coerce(key, value, typ, cli=False):
@@ -156,6 +147,19 @@ def _coerce(key, value, typ, cli=False):
     raise ValueError(f"config: {key}={value!r} is not a {typ.__name__}")
 
 
+def read_file(path, types_):
+    """A config file's assignments (names without a leading underscore, modules aside), each checked."""
+    if not path:
+        raise ValueError("config: --config needs a path (--config configs/x.py)")
+    scope = {}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), scope)
+    scope = {k: v for k, v in scope.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+    if unknown := next((k for k in scope if k not in types_), None):
+        raise ValueError(f"config: unknown key {unknown!r} in {path}")
+    return {k: _coerce(k, v, types_[k]) for k, v in scope.items()}
+
+
 def load(argv=None):
     """Parse `[--config file.py] [--key=value ...]` into a validated Config."""
     argv = sys.argv[1:] if argv is None else argv
@@ -163,39 +167,21 @@ def load(argv=None):
     if "--help" in argv or "-h" in argv:
         docs = field_docs()
         print("usage: train.py [--config configs/x.py] [--key=value ...]\n")
-        for f in fields(Config):
-            print(f"  --{f.name}={f.default!r:<14} {docs.get(f.name, '')}")
+        print("\n".join(f"  --{f.name}={f.default!r:<14} {docs.get(f.name, '')}" for f in fields(Config)))
         sys.exit(0)
-    values, overrides = {}, []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--config" and i + 1 == len(argv):
-            raise ValueError("config: --config needs a path (--config configs/x.py)")
-        if arg == "--config" or arg.startswith("--config="):
-            path = arg.split("=", 1)[1] if "=" in arg else argv[(i := i + 1)]
-            scope = {}
-            with open(path) as f:
-                exec(compile(f.read(), path, "exec"), scope)
-            for k, v in scope.items():
-                if k.startswith("_") or isinstance(v, types.ModuleType):
-                    continue
-                if k not in types_:
-                    raise ValueError(f"config: unknown key {k!r} in {path}")
-                values[k] = _coerce(k, v, types_[k])
-        elif arg.startswith("--"):
-            k, eq, v = arg[2:].partition("=")
-            if not eq:  # a bare flag: --resume
-                v = "true"
-            if k not in types_:
-                raise ValueError(f"config: unknown key {k!r} (see --help)")
-            overrides.append((k, v))
-        else:
+    values, overrides, args = {}, [], iter(argv)
+    for arg in args:
+        k, eq, v = arg[2:].partition("=")
+        if not arg.startswith("--"):
             raise ValueError(f"config: unexpected argument {arg!r} (use --key=value)")
-        i += 1
-    for k, v in overrides:  # the command line wins over the file
-        values[k] = _coerce(k, v, types_[k], cli=True)
-    return Config(**values)
+        if k == "config":
+            values |= read_file(v if eq else next(args, ""), types_)
+        elif k not in types_:
+            raise ValueError(f"config: unknown key {k!r} (see --help)")
+        else:
+            overrides.append((k, v if eq else "true"))  # a bare flag: --resume
+    # the command line wins over the file
+    return Config(**values | {k: _coerce(k, v, types_[k], cli=True) for k, v in overrides})
 
 
 def to_dict(cfg):

@@ -51,9 +51,8 @@ def compute_init(cfg):
         dist.init_process_group(backend)
     elif cfg.dtype != "float32":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if not dist.is_initialized():
-        return 0, 1, device, False
-    return dist.get_rank(), dist.get_world_size(), device, True
+    fsdp = dist.is_initialized()
+    return dist.get_rank() if fsdp else 0, dist.get_world_size() if fsdp else 1, device, fsdp
 
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -141,10 +140,10 @@ def collate(msgs, device):
     """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k) with -1 padding."""
     def pad(key, value):
         return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value)
+    routed = msgs[0]["routing"] is not None
     b = {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
-         "rollout_logp": pad("logprobs", 0.0), "routing": None, "images": None}
-    if msgs[0]["routing"] is not None:
-        b["routing"] = pad("routing", -1).permute(2, 0, 1, 3)  # (B, T, L, k) -> (L, B, T, k)
+         "rollout_logp": pad("logprobs", 0.0), "images": None,
+         "routing": pad("routing", -1).permute(2, 0, 1, 3) if routed else None}  # (B, T, L, k) -> (L, B, T, k)
     if images := [m["images"] for m in msgs if m.get("images") is not None]:  # (N_b, C, H, W) each, in row order
         b["images"] = torch.cat(images)  # the pixels the engine saw
     for row, m, msg in zip(b["ids"], b["loss_mask"].bool(), msgs):  # token identity: we train what was sampled
@@ -165,15 +164,13 @@ def split_batch(msgs, advantages, world, budget):
     holds at most `budget` padded tokens (or one episode). Every rank gets the same number of micro-batches,
     some maybe empty: FSDP's collectives pair up forward by forward across the ranks."""
     pairs = sorted(zip(msgs, advantages), key=lambda p: -len(p[0]["ids"]))
-    ranks = []
-    for r in range(world):
-        mbs = []
+    ranks = [[] for _ in range(world)]
+    for r, mbs in enumerate(ranks):
         for p in pairs[r::world]:
             if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0][0]["ids"]) <= budget:
                 mbs[-1].append(p)
             else:
                 mbs.append([p])
-        ranks.append(mbs)
     n = max(1, *map(len, ranks))
     return [mbs + [[] for _ in range(n - len(mbs))] for mbs in ranks]
 
@@ -221,9 +218,8 @@ def micro_loss(model, b, cfg, counts, adv, world):
     per_tok, clip_frac = est.POLICY_LOSSES[cfg.policy_loss](
         logp=logp, old_logp=old, advantages=A, loss_mask=mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip or None)
-    per_tok = per_tok * w
     ent = est.entropy(logits=logits if cfg.entropy_coef else logits.detach())  # (n,)
-    per_tok = per_tok - cfg.entropy_coef * torch.zeros_like(mask).masked_scatter(mask.bool(), ent)
+    per_tok = per_tok * w - cfg.entropy_coef * torch.zeros_like(mask).masked_scatter(mask.bool(), ent)
     kl = torch.zeros_like(mask)
     if "ref_logp" in b:  # KL to the frozen initial policy, on the sampled tokens
         raw = token_logp(model, b, cfg, logits, filtered=False)[1] if cfg.top_k or cfg.top_p < 1 else logp
@@ -267,10 +263,9 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
     several = cfg.ppo_epochs * len(batches) > 1
     with torch.no_grad():  # ---- recompute: what the batch is scored against, before any update ----
         for b, _ in (x for mini in batches for x in mini):
-            if ref is not None:
-                b["ref_logp"] = token_logp(ref, b, cfg, filtered=False)[1]
-            if teacher is not None:
-                b["teacher_logp"] = token_logp(teacher, b, cfg, filtered=False)[1]
+            for key, frozen in (("ref_logp", ref), ("teacher_logp", teacher)):
+                if frozen is not None:
+                    b[key] = token_logp(frozen, b, cfg, filtered=False)[1]
             if several:  # pi_old for every mini-batch now; a single update takes it from its own forward
                 b["old_logp"] = token_logp(model, b, cfg)[1]
     losses, checks, stale_max, norms = 0, 0, 0, []
@@ -353,15 +348,17 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
 
 
 def load_trainer_state(ckpt, model, opt, fsdp):
-    if ckpt is None:
-        return {"step": 0, "data_position": 0}
-    state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
-    if fsdp:
-        set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    else:
-        opt.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
-    return state
+    """-> what a checkpoint carries besides the weights (step, data position, counters); restores optimizer and rng."""
+    counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
+    state = {"step": 0, "data_position": 0, "rollout_counts": None}
+    if ckpt is not None:
+        state |= torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
+        if fsdp:
+            set_optimizer_state_dict(model, opt, state.pop("optimizer"), options=StateDictOptions(full_state_dict=True))
+        else:
+            opt.load_state_dict(state.pop("optimizer"))
+        torch.set_rng_state(state.pop("rng"))
+    return state | {"counters": counters | state.get("counters", {})}
 
 
 RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights")
@@ -407,7 +404,13 @@ STOP = {"signal": None}  # set by SIGTERM / Ctrl-C; the loop checkpoints and exi
 
 def take_batch(cfg, ro, version, counters):
     """Rank 0: prompts_per_step whole groups, less their episodes past the staleness bound (dropped and
-    counted), in data order. -> (msgs, wait seconds); msgs None when a stop signal came while waiting."""
+    counted), in data order. -> (msgs, wait seconds); msgs None when a stop signal came while waiting.
+    Without a rollout (replay): the batch a run with rollout_dump=true trained at this step."""
+    if ro is None:
+        path = os.path.join(cfg.replay, f"step_{version + 1}.pt")
+        if not os.path.isfile(path):
+            raise RuntimeError(f"replay: {path} is missing ({cfg.replay} holds {len(os.listdir(cfg.replay))} steps)")
+        return torch.load(path, weights_only=False), 0.0
     t0, msgs, n_groups = time.perf_counter(), [], 0
     while n_groups < cfg.prompts_per_step:
         group = ro.get()
@@ -423,15 +426,11 @@ def take_batch(cfg, ro, version, counters):
             ro.drop(1)
             continue
         msgs, n_groups = msgs + fresh, n_groups + 1
-    return sorted(msgs, key=lambda m: m["index"]), time.perf_counter() - t0
-
-
-def replayed(cfg, step):
-    """The batch a run with rollout_dump=true trained at this step, instead of generating one."""
-    path = os.path.join(cfg.replay, f"step_{step + 1}.pt")
-    if not os.path.isfile(path):
-        raise RuntimeError(f"replay: {path} is missing ({cfg.replay} holds {len(os.listdir(cfg.replay))} steps)")
-    return torch.load(path, weights_only=False), 0.0
+    msgs, wait = sorted(msgs, key=lambda m: m["index"]), time.perf_counter() - t0
+    if cfg.rollout_dump:  # every trained batch, all its tensors: what replay=<out_dir>/rollouts trains on
+        os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
+        torch.save(msgs, os.path.join(cfg.out_dir, "rollouts", f"step_{version + 1}.pt"))
+    return msgs, wait
 
 
 def main(argv=None):
@@ -445,6 +444,7 @@ def main(argv=None):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)) if device.type == "cpu" else 8)
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed + rank)
+    # ---- the policy (from the latest checkpoint when resuming), the frozen reference and teacher ----
     init = tiny_init(cfg, rank, fsdp) if cfg.model == "tiny" else cfg.model
     if init.endswith(".gguf"):  # dequantized once into <file>.hf, which also holds the tokenizer
         init = convert_gguf(init) if rank == 0 else init + ".hf"
@@ -453,17 +453,15 @@ def main(argv=None):
     ckpt = latest_checkpoint(cfg) if cfg.resume else None
     if ckpt:
         same_architecture(ckpt, init)
-    model = build_model(cfg, rank, device, fsdp, ckpt or init)
-    tokenizer_dir = ckpt or init
+    tokenizer_dir = ckpt or init  # the weights' own tokenizer
+    model = build_model(cfg, rank, device, fsdp, tokenizer_dir)
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-    state = load_trainer_state(ckpt, model, opt, fsdp)
-    step, data_position = state["step"], state["data_position"]
-    counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
-    counters |= state.get("counters", {})
+    state = load_trainer_state(ckpt, model, opt, fsdp)  # what the checkpoints carry on, counters included
+    step, counters = state["step"], state["counters"]
     weights = full_state(model, fsdp)
-    ro = tokenizer = stats = None
+    ro = tokenizer = None
     if rank == 0:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -473,51 +471,40 @@ def main(argv=None):
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(config.to_dict(cfg), f, indent=2)
         if not cfg.replay:
-            ro = rollout.start_rollout(cfg, model.config, weights, step, data_position, tokenizer_dir,
-                                       state.get("rollout_counts"))
-    last_stats, last_t = None, time.perf_counter()
-
-    def checkpoint():
-        counts = {k: stats[k] for k in rollout.COUNTS} if stats else state.get("rollout_counts")
-        save_checkpoint(cfg, model, opt, {"step": step, "data_position": data_position, "counters": counters,
-                                          "rollout_counts": counts}, tokenizer_dir, rank, fsdp)
+            ro = rollout.start_rollout(cfg, model.config, weights, step, state["data_position"], tokenizer_dir,
+                                       state["rollout_counts"])
+    last_generated, last_t = 0, time.perf_counter()
     try:
         while step < cfg.max_steps:
             t_step = time.perf_counter()
-            # ---- 1. a batch from the rollout queue; rank 0 sends every rank its share ----
+            # ---- 1. a batch from the rollout queue ----
             shares, msgs, wait, stop = [None] * world, None, 0.0, STOP["signal"]
             if rank == 0 and stop is None:
                 try:
-                    msgs, wait = take_batch(cfg, ro, step, counters) if ro else replayed(cfg, step)
+                    msgs, wait = take_batch(cfg, ro, step, counters)
                     stop = STOP["signal"] if msgs is None else None
                 except RuntimeError as e:  # the rollout process died: every rank stops, with a checkpoint
                     stop = f"error: {e}"
-                if cfg.rollout_dump and msgs:
-                    os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
-                    torch.save(msgs, os.path.join(cfg.out_dir, "rollouts", f"step_{step + 1}.pt"))
-            if world > 1:  # one decision for all ranks (a signal may reach them at different times)
-                flag = [stop]
-                dist.broadcast_object_list(flag, src=0)
-                stop = flag[0]
+            # ---- 2. advantages (opd: GRPO's of the task reward, weighted; the teacher's come per token) ----
+            if rank == 0 and stop is None:
+                opd = cfg.advantage == "opd"
+                rewards, groups = torch.tensor([m["reward"] for m in msgs]), torch.tensor([m["group"] for m in msgs])
+                adv = est.ADVANTAGES["grpo" if opd else cfg.advantage](rewards=rewards, group_ids=groups)
+                shares = make_shares(msgs, (adv * cfg.opd_reward_coef if opd else adv).tolist(), world, cfg)
+            # rank 0 sends every rank its share and one decision to stop (a signal may reach them at different times)
+            out = [(stop, shares[rank])]
+            if world > 1:
+                dist.scatter_object_list(out, [(stop, share) for share in shares] if rank == 0 else None, src=0)
+            stop, share = out[0]
             if stop is not None:
-                checkpoint()
+                save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp)
                 if stop.startswith("error"):
                     raise RuntimeError(f"{stop}; checkpoint of step {step} written to {cfg.out_dir}/ckpt")
                 print(f"{stop}: checkpoint of step {step} written to {cfg.out_dir}/ckpt; exiting", flush=True)
                 break
-            if rank == 0:  # (on-policy distillation: GRPO's advantage of the task reward, weighted, plus the teacher's)
-                opd = cfg.advantage == "opd"
-                rewards, groups = torch.tensor([m["reward"] for m in msgs]), torch.tensor([m["group"] for m in msgs])
-                adv = est.ADVANTAGES["grpo" if opd else cfg.advantage](rewards=rewards, group_ids=groups)
-                adv = adv * cfg.opd_reward_coef if opd else adv
-                shares = make_shares(msgs, adv.tolist(), world, cfg)
-            if world > 1:
-                out = [None]
-                dist.scatter_object_list(out, shares if rank == 0 else None, src=0)
-                shares[rank] = out[0]
-            # ---- 2-4. recompute, loss, backward, step ----
+            # ---- 3-4. recompute, loss, backward, optimizer steps ----
             t_train = time.perf_counter()
-            vec, stale_max, norms = train_step(model, opt, shares[rank], cfg, step, world, ref, teacher)
+            vec, stale_max, norms = train_step(model, opt, share, cfg, step, world, ref, teacher)
             sums, stale_max, hist = reduce_metrics(vec, stale_max, world)
             bad = not all(math.isfinite(g) for g in norms)  # an update was skipped; too many in a row end the run
             counters["skipped_steps"] += bad
@@ -526,26 +513,25 @@ def main(argv=None):
                 raise RuntimeError(f"{counters['bad_steps']} non-finite gradient norms in a row at step {step + 1}")
             t_train = time.perf_counter() - t_train
             step += 1
-            # ---- 5. publish weights as version `step` ----
+            # ---- 5. publish weights as version `step`; log; checkpoint ----
             t_sync = time.perf_counter()
             weights = full_state(model, fsdp)
             if ro is not None:
                 ro.publish(weights, step)
             t_sync = time.perf_counter() - t_sync
-            # ---- log ----
             if rank == 0:
                 stats = max((m["stats"] for m in msgs), key=lambda st: st["tokens_generated"])  # the latest
-                now = time.perf_counter()
-                gen = stats["tokens_generated"] - (last_stats["tokens_generated"] if last_stats else 0)
-                data_position = max(data_position, max(m["index"] for m in msgs) + 1)
+                state["rollout_counts"] = {k: stats[k] for k in rollout.COUNTS}
+                state["data_position"] = max(state["data_position"], max(m["index"] for m in msgs) + 1)
+                now, generated = time.perf_counter(), stats["tokens_generated"]
                 times = {"step": now - t_step, "wait_rollout": wait, "train": t_train, "weight_sync": t_sync}
                 log_step(cfg, step_metrics(step, msgs, sums, stale_max, hist, norms, times, counters, stats,
-                                           gen / max(now - last_t, 1e-9)))
-                last_stats, last_t = stats, now
+                                           (generated - last_generated) / max(now - last_t, 1e-9)))
+                last_generated, last_t = generated, now
                 if cfg.dump_every and step % cfg.dump_every == 0:
                     dump_episodes(cfg, step, msgs, tokenizer)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps:
-                checkpoint()
+                save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp)
     finally:
         if ro is not None:
             ro.close()
