@@ -48,7 +48,6 @@ PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description":
                "parameters": {"type": "object", "required": ["code"], "properties": {"code": {"type": "string"}}}}}
 IMAGE_PAD, COUNT_PROMPT = "<|image_pad|>", "How many squares?"  # an image is one IMAGE_PAD per patch
 
-
 def _corpus(rng: random.Random):
     """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else. Frozen: text added
     here changes every merge, and with them the default run's tokens (see the README)."""
@@ -59,7 +58,6 @@ def _corpus(rng: random.Random):
                     f"{a}+{b}=", "error: exit code 1\nTraceback (most recent call last):\n  File \"main.py\"",
                     "error: timed out", "NameError: name 'x' is not defined", "SyntaxError: invalid syntax",
                     "ZeroDivisionError"]
-
 
 def make_tokenizer(path: str, vocab_size: int = 384) -> None:
     """Train and save (tokenizer.json + tokenizer_config.json) a tokenizer that AutoTokenizer loads. No download."""
@@ -77,7 +75,6 @@ def make_tokenizer(path: str, vocab_size: int = 384) -> None:
               "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 4096,
               "clean_up_tokenization_spaces": False}
     Path(path, "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
 
 # ---- the episode: one typed record from rollout to loss ----
 @dataclass
@@ -121,19 +118,16 @@ class Episode:
         if not math.isfinite(self.reward):
             raise ValueError(f"non-finite reward {self.reward}")
 
-
 # ---- turns: conversations grow by appending token ids, never by re-rendering ----
 def prompt_ids(tok, text: str) -> list[int]:
     """The opening user turn and the assistant header, as the chat template renders it."""
     s = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
     return tok.encode(s, add_special_tokens=False)
 
-
 def turn_suffix(tok, text: str, role: str = "user") -> list[int]:
     """Ids that continue a chat after an assistant turn that ended with <|im_end|>: a new turn + assistant header."""
     # Special tokens split the text before BPE runs, so these ids equal what a full render would give here.
     return tok.encode(f"\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-
 
 async def model_turn(llm, ep: Episode) -> str:
     """One model turn appended to ep; returns its text, decoded only to show the environment."""
@@ -143,7 +137,6 @@ async def model_turn(llm, ep: Episode) -> str:
     if not c.ids or c.ids[-1] != end:  # cut off at max_new_tokens: close the turn ourselves, unsampled (mask 0)
         ep.append([end])
     return llm.tokenizer.decode(c.ids, skip_special_tokens=True)
-
 
 # ---- tools: untrusted code in a sandboxed subprocess ----
 # The child locks itself down in this prelude and only then runs the model's code (main.py in its cwd).
@@ -188,7 +181,6 @@ check(libc.prctl(22, 2, struct.pack("HxxxxxxP", len(bpf), ctypes.addressof(prog)
 exec(compile(open("main.py", "rb").read(), "main.py", "exec"), {"__name__": "__main__"})
 """
 _calls = itertools.count()
-
 
 async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, max_procs: int = 16,
                    max_output: int = 4096) -> tuple[bool, str]:
@@ -251,11 +243,9 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
              else f"killed by signal {-rc} ({signal.strsignal(-rc)})" if rc < 0 else None)
     return error is None, text if error is None else f"error: {error}\n{text}"
 
-
 # ---- built-in tasks: each an agent `async def NAME(task, llm) -> Episode`, sized by the task dict ----
 def _ints(text: str) -> list[int]:
     return [int(s) for s in re.findall(r"-?\d+", text)]
-
 
 async def guess(task: dict, llm) -> Episode:
     """Find a secret in 1..guess_max from too-low / too-high feedback within max_turns model turns."""
@@ -272,7 +262,6 @@ async def guess(task: dict, llm) -> Episode:
     ep.reward = float(feedback == "correct")
     ep.info = {"turns": turn, "invalid": invalid}
     return ep
-
 
 async def calc(task: dict, llm) -> dict:
     """a*b+c: a chat agent (openai client on the endpoint), a sandboxed `python` tool; last reply's last int answers."""
@@ -296,7 +285,6 @@ async def calc(task: dict, llm) -> dict:
     return {"reward": float(bool(answer) and answer[-1] == task["a"] * task["b"] + task["c"]),
             "info": {"turns": turn, "tool_calls": calls, "tool_errors": errors}}
 
-
 async def arith(task: dict, llm) -> Episode:
     """Single turn `a+b=`; the first integer of the answer is checked."""
     ep = Episode()
@@ -304,7 +292,6 @@ async def arith(task: dict, llm) -> Episode:
     answer = _ints(await model_turn(llm, ep))
     ep.reward = float(bool(answer) and answer[0] == task["a"] + task["b"])
     return ep
-
 
 def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tensor:
     """A black (3, size, size) image with k cell x cell squares at distinct grid cells, each a random bright color."""
@@ -314,7 +301,6 @@ def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tenso
         color = torch.tensor([rng.uniform(0.3, 1) for _ in "rgb"])[:, None, None]
         img[:, r * cell:(r + 1) * cell, c * cell:(c + 1) * cell] = color
     return img
-
 
 async def count(task: dict, llm) -> Episode:
     """How many squares (1..4) does the image show? The environment answers each reply with a new image, for
@@ -332,9 +318,7 @@ async def count(task: dict, llm) -> Episode:
     ep.info = {"turns": turn}
     return ep
 
-
 TASKS = {"guess": guess, "calc": calc, "arith": arith, "count": count}
-
 
 def load_agent(name: str):
     """A built-in task name, or a path to a Python file that defines `async def run(task, llm) -> Episode`."""
@@ -346,7 +330,6 @@ def load_agent(name: str):
     if not inspect.iscoroutinefunction(run):
         raise ValueError(f"agent file {name!r} does not define `async def run(task, llm)`")
     return run
-
 
 @functools.lru_cache(maxsize=4)
 def load_task_file(path: str) -> list[dict]:
@@ -365,7 +348,6 @@ def load_task_file(path: str) -> list[dict]:
     if not rows:
         raise ValueError(f"{path}: no tasks in the file")
     return rows
-
 
 def make_task(name_or_path: str, index: int, *, seed: int, group_size: int, guess_max: int = 7, max_turns: int = 3,
               tool_timeout: float = 5.0, tool_memory_mb: int = 256, task_file: str = "", **knobs) -> dict:

@@ -1,6 +1,6 @@
 """bench.py: the numbers README's "Performance" section quotes, each as measured, baseline and ratio.
     python bench.py [engine|overlap|parity|trainer|moe|publish|all] [--quick] [--threads N]
-engine, overlap, parity on all cores; the others on CPU 0, one thread (scale, memory, flops: last run at commit 8482101).
+engine, overlap, parity on all cores; the others on CPU 0, one thread. (scale, memory, flops: commit 8482101.)
 On a shared machine run one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py overlap"""
 import argparse
 import asyncio
@@ -29,11 +29,9 @@ from model_moe import MLP, ModelConfig, MoE, Transformer  # noqa: E402
 
 GUESS = ["--config", "configs/guess.py", "--dump_every=0", "--ckpt_every=0"]  # the default recipe, no mid-run dumps
 
-
 def table(title, header, rows):
     lines = [header, ["---"] + ["---:"] * (len(header) - 1), *rows]
     print(f"\n{title}\n\n" + "\n".join("| " + " | ".join(map(str, r)) + " |" for r in lines), flush=True)
-
 
 def timed(fns, n, best=False):
     """{name: call} -> {name: wall s}, the median (best: minimum) of n interleaved rounds."""
@@ -45,7 +43,6 @@ def timed(fns, n, best=False):
             ts[k].append(time.perf_counter() - t0)
     return {k: (min if best else med)(v[1:]) for k, v in ts.items()}
 
-
 def run_train(overrides):
     """train.py + overrides in a temporary out_dir (one thread each for trainer and rollout) -> (metrics, wall s)."""
     with tempfile.TemporaryDirectory() as d:
@@ -55,7 +52,6 @@ def run_train(overrides):
             raise RuntimeError(f"train.py {overrides} failed ({p.returncode}):\n{p.stderr[-3000:].decode()}")
         with open(os.path.join(d, "metrics.jsonl")) as f:
             return [json.loads(line) for line in f], time.perf_counter() - t0
-
 
 def bench_overlap():
     """The baseline of async is the same run at max_staleness=0 (synchronous RL), interleaved with it."""
@@ -73,7 +69,6 @@ def bench_overlap():
     table(f"async overlap: steps {warm + 1}..{steps} of {repeats} interleaved sync/async pairs, medians",
           ["measure", "measured", "baseline", "ratio", "target"],
           [(what, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}", target) for what, a, b, target in rows])
-
 
 def bench_parity():
     """The baseline of async learning is sync learning: final rewards over seeds, compared by Welch's t-test."""
@@ -94,7 +89,6 @@ def bench_parity():
              ("Welch t-test", f"t = {t:+.2f}", f"df = {df:.1f}", f"p = {max(0.0, p):.2f} (target > 0.05)")]
     table(f"learning parity: --max_steps={steps}, final reward = mean of the last {last} steps", ["seed",
           "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall", "ratio"], rows)
-
 
 @functools.cache
 def setup(width=128):
@@ -118,7 +112,6 @@ def setup(width=128):
                 publish=lambda: ro.publish(train.full_state(model, False), 1),
                 disk=lambda: rollout.write_weights(d, model.config, init, 1, train.full_state(model, False)))
 
-
 def bench_trainer():
     """The baseline is the loop one writes first: on ready-made padded tensors, a policy-gradient step, no publish."""
     s = setup()
@@ -137,7 +130,6 @@ def bench_trainer():
     table(f"trainer overhead: {len(ids)} episodes, {tokens} tokens, the plain loop pads to {tuple(ids.shape)}",
           ["measure", "measured", "plain loop (baseline)", "ratio", "target"], [("train_step + publish, tok/s",
            f"{tokens / t['full']:,.0f}", f"{tokens / t['plain']:,.0f}", f"{t['plain'] / t['full']:.2f}", ">= 0.90")])
-
 
 def bench_moe():
     """Two baselines: the MoE as first written (naive), and a dense MLP as wide as its active parameters per token."""
@@ -161,7 +153,6 @@ def bench_moe():
     table(f"mixture of experts: one layer forward + backward on 4096 tokens, median of {n}", ["layer",
           "model_moe.MoE (measured)", "naive (baseline)", "dense MLP (baseline)", "ratio to naive", "to dense"], rows)
 
-
 def bench_publish():
     """The baseline is the train step a publish follows: what matters is its share of a step."""
     n, rows = 3 if args.quick else 10, []
@@ -174,7 +165,6 @@ def bench_publish():
                  for k in ("publish", "disk")]
     table(f"weight publishing, median of {n}: publish = Rollout.publish to shared memory, disk = write_weights",
           ["model", "path", "per step (measured)", "GB/s", "train step (baseline)", "share of a step", "target"], rows)
-
 
 def bench_engine():
     """The baseline: HF `generate` on the same weights (from our checkpoint), one left-padded batch per call."""
@@ -207,7 +197,6 @@ def bench_engine():
     table(f"tiny MoE, {sum(p.numel() for p in ours.parameters()) / 1e6:.2f}M params, 8 experts top-2, prompts 16..32 "
           f"tokens, {new} new tokens/row at temperature 1, median of {repeats}, {torch.get_num_threads()} threads",
           ["requests at once", "engine tok/s (measured)", "HF generate tok/s (baseline)", "ratio"], rows)
-
 
 BENCHES = {"engine": bench_engine, "overlap": bench_overlap, "parity": bench_parity, "trainer": bench_trainer,
            "moe": bench_moe, "publish": bench_publish}

@@ -9,7 +9,6 @@ import sys
 import types
 from dataclasses import asdict, dataclass, fields
 
-
 @dataclass
 class Config:
     # ---- run ----
@@ -120,11 +119,9 @@ class Config:
             if not ok:
                 raise ValueError(f"config: {key}={getattr(self, key)!r} {why}")
 
-
 def field_docs():
     """The trailing comment of each field, read from this file's source (one place for the docs)."""
     return dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", open(__file__).read(), re.M))
-
 
 def _coerce(key, value, typ, cli=False):
     """A config file's Python value, or (cli=True) a command-line string, as typ; a file's "10" is no int."""
@@ -146,7 +143,6 @@ def _coerce(key, value, typ, cli=False):
         return value
     raise ValueError(f"config: {key}={value!r} is not a {typ.__name__}")
 
-
 def read_file(path, types_):
     """A config file's assignments (names without a leading underscore, modules aside), each checked."""
     if not path:
@@ -158,7 +154,6 @@ def read_file(path, types_):
     if unknown := next((k for k in scope if k not in types_), None):
         raise ValueError(f"config: unknown key {unknown!r} in {path}")
     return {k: _coerce(k, v, types_[k]) for k, v in scope.items()}
-
 
 def load(argv=None):
     """Parse `[--config file.py] [--key=value ...]` into a validated Config."""
@@ -182,7 +177,6 @@ def load(argv=None):
             overrides.append((k, v if eq else "true"))  # a bare flag: --resume
     # the command line wins over the file
     return Config(**values | {k: _coerce(k, v, types_[k], cli=True) for k, v in overrides})
-
 
 def to_dict(cfg):
     return asdict(cfg) | {"batch_size": cfg.batch_size}

@@ -17,7 +17,6 @@ import agent as agent_mod
 
 TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.S)  # the Qwen / Hermes format
 
-
 async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
     """Start the server on a free port of 127.0.0.1 in the running loop. sampling: the run's temperature,
     top_p, top_k (a request may not change them: the trainer assumes that distribution)."""
@@ -31,14 +30,12 @@ async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
     server["port"], server["runner"] = runner.addresses[0][1], runner
     return server
 
-
 def attach(server: dict, llm) -> None:
     """Give an episode's llm (a rollout.Policy) its base URL and an empty record."""
     eid = f"{next(server['ids'])}"
     server["episodes"][eid] = llm
     llm.base_url, llm.api_key, llm.model = f"http://127.0.0.1:{server['port']}/ep/{eid}/v1", "nanomolt", server["model"]
     llm.segs, llm.lock, llm.counts = [], asyncio.Lock(), {"tool_calls": 0, "malformed_tool_calls": 0}
-
 
 def segments(llm, result) -> list:
     """After a chat agent returned `result` (a reward, or {"reward": r, "info": {...}}): its episodes, one per
@@ -51,7 +48,6 @@ def segments(llm, result) -> list:
     for s in llm.segs:
         s["ep"].reward, s["ep"].info = float(reward), dict(llm.counts, **info, segments=len(llm.segs))
     return [(s["ep"], s["calls"]) for s in llm.segs]
-
 
 async def _handle(server, request):
     try:
@@ -77,12 +73,10 @@ async def _handle(server, request):
         code = "context_length_exceeded" if "max_len" in str(e) else None
         raise _error(str(e), "messages" if code else None, code) from None
 
-
 def _error(message, param=None, code=None, http=web.HTTPBadRequest):
     """An OpenAI-style error body (what the agent's client raises) as an aiohttp exception, for the handler to raise."""
     error = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
     return http(text=json.dumps({"error": error}), content_type="application/json")
-
 
 async def _chat(server, llm, body):
     """One chat turn: render, sample after the longest segment the rendering extends (else a new one), reply. The
@@ -132,7 +126,6 @@ async def _chat(server, llm, body):
     usage = {"prompt_tokens": len(prompt), "completion_tokens": len(c.ids), "total_tokens": len(prompt) + len(c.ids)}
     return {"object": "chat.completion", "choices": [{"index": 0, "message": msg, "finish_reason": finish,
                                                       "logprobs": None}], "usage": usage}
-
 
 def _tool_calls(text):
     """Every <tool_call>{"name": ..., "arguments": {...}}</tool_call> in text -> OpenAI tool_calls; None if any is

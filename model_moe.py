@@ -23,7 +23,6 @@ LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 VISION_FIELDS = ("vision_layers", "vision_hidden", "vision_heads", "image_size", "image_channels", "patch_size",
                  "image_token_id")
 
-
 @dataclass
 class ModelConfig:
     vocab_size: int = 512
@@ -96,7 +95,6 @@ class ModelConfig:
                         rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
                         num_local_experts=self.num_experts)
 
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -104,7 +102,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):  # normalise in fp32 like the reference, then scale in the input dtype
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
-
 
 def inv_freq(c: ModelConfig, device):
     """-> (hd/2,) rotary frequencies, fp32 as in the reference. Llama 3 scaling (arXiv:2407.21783) divides by
@@ -115,7 +112,6 @@ def inv_freq(c: ModelConfig, device):
         keep = ((s["original_max_position_embeddings"] * f / (2 * math.pi) - lo) / (hi - lo)).clamp(0, 1)
         f = (1 - keep) * f / s["factor"] + keep * f  # keep: 0 .. 1, linear in original_max / wavelength between
     return f
-
 
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
@@ -140,7 +136,6 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
-
 class MLP(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
@@ -149,7 +144,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class MoE(nn.Module):
     """Softmax router, top-k experts, SwiGLU experts stored stacked; tokens grouped per expert."""
@@ -206,7 +200,6 @@ class MoE(nn.Module):
         y = (out.view(-1, k, H) * weights[..., None].to(x.dtype)).sum(1)  # each token's k rows, weighted
         return y.reshape(shape), experts.reshape(*shape[:-1], self.top_k)
 
-
 class Block(nn.Module):
     def __init__(self, c: ModelConfig, i):
         super().__init__()
@@ -220,7 +213,6 @@ class Block(nn.Module):
         h = self.post_attention_layernorm(x)
         h, experts = self.mlp(h, replay, aux_mask) if isinstance(self.mlp, MoE) else (self.mlp(h), None)
         return x + h, experts
-
 
 class KVCache:
     """One slot per request: k, v (L, S, nkv, max_len, hd). A row's token at position p sits at index p of its slot:
@@ -250,7 +242,6 @@ class KVCache:
             return out
         return n_keys, update
 
-
 class VisionEncoder(nn.Module):
     """Images (N, C, H, W) in [0, 1] -> features (N, n_patches, hidden_size). A ViT in miniature (arXiv:2010.11929):
     each patch flattened, embedded by one linear map, given a learned position; pre-norm blocks (the decoder's, dense)
@@ -275,7 +266,6 @@ class VisionEncoder(nn.Module):
         for block in self.blocks:  # cos 1, sin 0: no rotation (positions are in pos_embed); mask None: see all
             x, _ = block(x, 1.0, 0.0, None)
         return self.proj_out(F.gelu(self.proj_in(self.norm(x))))  # (N, n_patches, hidden_size)
-
 
 class Transformer(nn.Module):
     def __init__(self, c: ModelConfig):
@@ -380,7 +370,6 @@ class Transformer(nn.Module):
         """Write config.json + model.safetensors. state_dict: a full (gathered) state dict, for FSDP."""
         save_pretrained(path, self.config, self.state_dict() if state_dict is None else state_dict)
 
-
 def to_hf_state(sd, c: ModelConfig):
     """Our state dict -> Hugging Face keys (experts split per expert; tied lm_head dropped)."""
     out = {}
@@ -392,7 +381,6 @@ def to_hf_state(sd, c: ModelConfig):
             out[k] = t
     return out
 
-
 def from_hf_state(hf, c: ModelConfig):
     """Hugging Face keys -> our state dict (per-expert tensors stacked)."""
     out = {k: t for k, t in hf.items() if ".experts." not in k}
@@ -401,7 +389,6 @@ def from_hf_state(hf, c: ModelConfig):
             out[f"{pre}.w_{w}"] = torch.stack([hf[f"{pre}.experts.{e}.{w}_proj.weight"] for e in range(c.num_experts)])
     return out
 
-
 def save_pretrained(path, c: ModelConfig, sd, hf_config=None):
     """config.json (hf_config, default c.to_hf()) + model.safetensors of our state dict sd."""
     os.makedirs(path, exist_ok=True)
@@ -409,7 +396,6 @@ def save_pretrained(path, c: ModelConfig, sd, hf_config=None):
     save_file(hf, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config or c.to_hf(), f, indent=2)
-
 
 def convert_gguf(gguf_path, out_dir=None):
     """GGUF file -> out_dir (default: its path + ".hf"; reused when there), a plain Hugging Face directory with fp32

@@ -42,14 +42,12 @@ import agent as agent_mod
 import endpoint
 from model_moe import KVCache, Transformer, save_pretrained, to_hf_state
 
-
 @dataclasses.dataclass
 class Completion:
     ids: list  # sampled token ids (the stop token included when it was sampled)
     logprobs: list  # logprob of each sampled id under the distribution it was drawn from
     versions: list  # policy version of the weights that sampled each id
     routing: torch.Tensor | None  # (len(prompt) + len(ids), n_moe_layers, top_k) int16, -1 where not computed
-
 
 def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
     """logits (B, V) -> logprobs (B, V) of the distribution sampled from: temperature, then top-k, then top-p
@@ -65,7 +63,6 @@ def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
         drop_sorted = (p.cumsum(-1) - p) >= top_p
         logp = torch.log_softmax(logp.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf), dim=-1)
     return logp
-
 
 def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
     """logits (B, V) -> ids (B,), logprobs (B,) under the filtered, renormalised distribution.
@@ -83,10 +80,8 @@ def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
         ids = torch.searchsorted(cdf, torch.minimum(u, cdf[:, -1:].nextafter(u.new_zeros(()))), right=True)[:, 0]
     return ids, logp.gather(-1, ids[:, None])[:, 0]
 
-
 class ContextFull(ValueError):
     """The conversation has reached the engine's max_len: the rollout trains the episode so far as truncated."""
-
 
 @dataclasses.dataclass(eq=False)
 class _Request:
@@ -99,7 +94,6 @@ class _Request:
     slot: int = -1
     fed: int = 0  # tokens whose keys are in the cache
     images: torch.Tensor | None = None  # (N, C, H, W) for the prompt's placeholders; used by prefills only
-
 
 class TorchEngine:
     """Embedded engine: `await generate(ids)` from many agents; one `step()` runs one prefill (new rows) and one
@@ -221,7 +215,6 @@ class TorchEngine:
             self.step()
             await asyncio.sleep(0)  # let agents react to finished rows before the next step
 
-
 class Policy:
     """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`. One per episode: it keeps
     what the engine was given and returned, to check the episode against (token identity)."""
@@ -236,7 +229,6 @@ class Policy:
         c = await self.engine.generate(ids, max_new_tokens, **({} if images is None else {"images": images}))
         self.calls.append((list(ids), c, images))
         return c
-
 
 def check_images(ids, images, c):
     """-> the images as one tensor (N, C, H, W), or None. A ValueError for what the model cannot take:
@@ -260,13 +252,10 @@ def check_images(ids, images, c):
                          f"of {c.n_patches} patches each")
     return torch.stack(images).float() if images else None
 
-
 class Malformed(Exception):
     """An episode that fails check_tokens, check_images or validate: dropped, nothing malformed is trained."""
 
-
 COUNTS = ("agent_errors", "agent_timeouts", "malformed")  # episodes dropped, by cause
-
 
 def stop_ids(tok, model_dir):
     """Every end-of-turn id: the tokenizer's eos, <|im_end|> if it has one, and generation_config.json's eos ids."""
@@ -277,19 +266,16 @@ def stop_ids(tok, model_dir):
         ids |= set(eos if isinstance(eos, list) else [eos])
     return sorted(i for i in ids if i is not None)
 
-
 @functools.lru_cache(maxsize=4)
 def _tokenizer(path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
-
 
 def save_tokenizer(src, dst):
     """The tokenizer (its chat template too, in whatever file it came) and generation_config.json beside weights."""
     _tokenizer(src).save_pretrained(dst)
     if os.path.isfile(os.path.join(src, "generation_config.json")):
         shutil.copy(os.path.join(src, "generation_config.json"), dst)
-
 
 def check_tokens(ep, calls):
     """The trainer must train exactly the tokens the engine saw and sampled (ValueError otherwise). -> the
@@ -323,7 +309,6 @@ def check_tokens(ep, calls):
         raise ValueError(f"token mismatch: loss_mask marks {sum(ep.loss_mask)} tokens, the engine sampled {sampled}")
     return logprobs, versions, routing, torch.tensor([t for _, c, _ in calls for t in c.ids], dtype=torch.long)
 
-
 def truncated_episode(calls):
     """An agent stopped by ContextFull: the conversation up to the last completion, trained as it stands
     (dropping it would bias training toward short episodes), reward 0."""
@@ -333,7 +318,6 @@ def truncated_episode(calls):
     for prompt, c, _ in calls:
         ep.loss_mask[len(prompt):len(prompt) + len(c.ids)] = [1] * len(c.ids)
     return ep
-
 
 # ---- the rollout process: agents -> episodes -> the shared-memory queue ----
 
@@ -347,9 +331,7 @@ def episode_to_msg(ep, index, group, record):
             "reward": float(ep.reward), "group": group, "index": index,
             "info": {k: float(v) for k, v in ep.info.items()}}
 
-
 PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids", "images")  # tensors, length first
-
 
 def pack(group):
     """A group's messages -> one queue item whose tensor fields are concatenated over the episodes: the queue
@@ -360,7 +342,6 @@ def pack(group):
         item[k] = torch.cat(kept) if kept else None, [-1 if m[k] is None else len(m[k]) for m in group]
     return item
 
-
 def unpack(item):
     """pack's inverse: the group's messages (their tensors are views of the shared ones)."""
     msgs = item["msgs"]
@@ -370,7 +351,6 @@ def unpack(item):
         for m, s in zip(msgs, sizes):
             m[k] = next(parts) if s >= 0 else None
     return msgs
-
 
 def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
     """Entry of the rollout process. link (start_rollout): weights (shared; None on disk), version, lock, out_q,
@@ -389,7 +369,6 @@ def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # now: sys.exit would first wait for threads still blocked in HTTP calls to servers
-
 
 async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
     tok = _tokenizer(tokenizer_dir)
@@ -418,7 +397,6 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
         t.cancel()
     for t in done:  # neither returns: an engine or producer error ends the rollout process
         t.result()
-
 
 async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, counts=None):
     """Run agents and queue each group whole, once all its episodes ended (its advantages compare the whole
@@ -495,7 +473,6 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                 out_q.put_nowait(pending[0])
                 pending.popleft()
 
-
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, counts=None):
     """Start the rollout process (trainer rank 0), and the servers unless cfg.server_urls names them. Weights go
     to shared memory (torch, sglang in memory) or a directory per version (`write_weights`: disk)."""
@@ -520,7 +497,6 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
                        args=(cfg, model_cfg, link, start_index, tokenizer_dir, counts))
     proc.start()
     return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write)
-
 
 class Rollout:
     """The trainer's handle on the rollout process (and on the inference servers it started)."""
@@ -572,7 +548,6 @@ class Rollout:
         for p, _ in self.servers:
             stop_server(p)
 
-
 # ---- server engines: vLLM and SGLang over HTTP ----
 # Servers (own processes, own Python, or other machines) behind `await generate(ids)`. New weights: admission
 # closes, running requests finish under the old version, every server moves to the new one, admission reopens.
@@ -581,7 +556,6 @@ class Rollout:
 
 class ServerError(RuntimeError):
     """A server died, is unreachable or refused a call: the rollout stops (a dead server is never a hang)."""
-
 
 def _http(url, body=None, timeout=600.0):
     """POST `body` as JSON (GET when None) -> the decoded JSON answer, or its text."""
@@ -593,7 +567,6 @@ def _http(url, body=None, timeout=600.0):
         return json.loads(text)
     return text
 
-
 def vllm_command(model_dir, port, cfg, moe):
     """-> (arguments after the interpreter, environment) that start vLLM's OpenAI-compatible server."""
     argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
@@ -602,7 +575,6 @@ def vllm_command(model_dir, port, cfg, moe):
             "--generation-config", "vllm"]  # no sampling defaults from the checkpoint: ours are explicit
     # dev mode serves /pause, /resume, /collective_rpc, /reset_prefix_cache; the CPU build needs a KV size (GiB)
     return argv, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-
 
 def vllm_generate(url, ids, p, timeout):
     """/v1/completions with a token-id prompt -> (sampled ids, their logprobs, experts (T-1, layers, k) or None)."""
@@ -613,7 +585,6 @@ def vllm_generate(url, ids, p, timeout):
     experts = c.get("routed_experts")  # base64 of .npy bytes
     return c["token_ids"], c["logprobs"]["token_logprobs"], experts and np.load(io.BytesIO(base64.b64decode(experts)))
 
-
 def vllm_load_weights(url, path, timeout):
     """Reload weights in place from `path`, between a pause (running requests finish) and a resume."""
     _http(url + "/pause?mode=wait", {}, timeout)
@@ -622,13 +593,11 @@ def vllm_load_weights(url, path, timeout):
         raise ServerError(f"{url}: /reset_prefix_cache failed after loading {path}")
     _http(url + "/resume", {}, timeout)
 
-
 def sglang_command(model_dir, port, cfg, moe):
     argv = ["-m", "sglang.launch_server", "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", cfg.dtype, "--context-length", str(cfg.engine_max_len), "--random-seed", str(cfg.seed),
             "--sampling-defaults", "openai"]  # no sampling defaults from the checkpoint: ours are explicit
     return argv + ["--enable-return-routed-experts"] * moe, {}
-
 
 def sglang_generate(url, ids, p, timeout):
     """The native /generate with input_ids; meta_info.output_token_logprobs holds (logprob, id, _) per token."""
@@ -641,20 +610,16 @@ def sglang_generate(url, ids, p, timeout):
     experts = m.get("routed_experts")  # base64 of int32 (T-1, layers, k)
     return [t[1] for t in out], [t[0] for t in out], experts and np.frombuffer(base64.b64decode(experts), np.int32)
 
-
 def sglang_load_weights(url, path, timeout):  # also flushes the radix cache: no prefix of the old weights is reused
     _http(url + "/update_weights_from_disk", {"model_path": path, "flush_cache": True}, timeout)
-
 
 def sglang_receive(url, meta, timeout):
     """Take one version by broadcast (meta: names, dtypes, shapes in broadcast order); 0.5.23 needs begin/end."""
     for path in ("begin_weight_update", "update_weights_from_distributed", "end_weight_update"):
         _http(f"{url}/{path}", meta if path.startswith("update") else {}, timeout)
 
-
 SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weights=vllm_load_weights),
            "sglang": dict(command=sglang_command, generate=sglang_generate, load_weights=sglang_load_weights)}
-
 
 class ServerEngine:
     """Round-robin over the servers (data parallel), one HTTP call per request in a thread; run() swaps weights."""
@@ -770,7 +735,6 @@ class ServerEngine:
             self._call(k, sglang_receive, self.meta, self.timeout) for k in range(n)))
         return version
 
-
 def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     """The trainer's full state dict as a Hugging Face directory `<weights_dir>/v<version>`, written under a
     temporary name and renamed (no server reads half of one). The embeddings are written untied, lm_head as
@@ -784,7 +748,6 @@ def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
-
 
 def start_server(kind, model_dir, cfg, log, moe=False):
     """Start a server as a child process (in its own process group, so stop_server reaches its workers),
@@ -806,7 +769,6 @@ def start_server(kind, model_dir, cfg, log, moe=False):
         raise
     return proc, url
 
-
 def wait_healthy(url, timeout, proc=None, log=None):
     deadline = time.monotonic() + timeout
     while proc is None or proc.poll() is None:
@@ -817,7 +779,6 @@ def wait_healthy(url, timeout, proc=None, log=None):
         time.sleep(1)
     raise ServerError(f"server {url} exited with code {proc.returncode} while starting{log_tail(log)}")
 
-
 def stop_server(proc):
     """Stop a server started by start_server and every process of its group (vLLM has engine workers)."""
     with contextlib.suppress(ProcessLookupError):
@@ -826,7 +787,6 @@ def stop_server(proc):
             proc.wait(timeout=15)
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-
 
 def log_tail(path, n_bytes=3000):
     """'; last lines of <path>: ...' for error messages ('' when there is no log)."""

@@ -36,7 +36,6 @@ import estimators as est
 import rollout
 from model_moe import ModelConfig, Transformer, convert_gguf, save_pretrained
 
-
 # ---- distributed: the same script runs under python and torchrun ----
 
 def compute_init(cfg):
@@ -54,14 +53,11 @@ def compute_init(cfg):
     fsdp = dist.is_initialized()
     return dist.get_rank() if fsdp else 0, dist.get_world_size() if fsdp else 1, device, fsdp
 
-
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
 
 def full_state(model, fsdp):
     """The whole (unsharded) state dict on rank 0, on CPU; an empty dict on other ranks."""
     return get_model_state_dict(model, options=FULL) if fsdp else {k: v.cpu() for k, v in model.state_dict().items()}
-
 
 # ---- the policy ----
 
@@ -70,7 +66,6 @@ def latest_checkpoint(cfg):
     dirs = [os.path.join(cfg.out_dir, name) for name in ("ckpt", "ckpt.old")]
     return next((d for d in dirs if os.path.isfile(os.path.join(d, "trainer.pt"))), None)
 
-
 def read_config(path):
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
@@ -78,14 +73,12 @@ def read_config(path):
     with open(cfg_path) as f:
         return ModelConfig.from_hf(json.load(f), cfg_path)
 
-
 def same_architecture(a_dir, b_dir, expected=None):
     """Refuse to continue from weights of another architecture or vocabulary, naming the difference."""
     a, b = read_config(a_dir).__dict__, (expected or read_config(b_dir)).__dict__
     diff = [f"{k}: {a[k]} vs {b[k]}" for k in a if k != "max_position_embeddings" and a[k] != b[k]]
     if diff:
         raise ValueError(f"{a_dir} does not match {b_dir}: {'; '.join(diff)} (use another out_dir)")
-
 
 def tiny_init(cfg, rank, fsdp):
     """The "tiny" model: a small MoE and a tokenizer made here from scratch (no download), in <out_dir>/tiny-init."""
@@ -112,7 +105,6 @@ def tiny_init(cfg, rank, fsdp):
         dist.barrier()
     return path
 
-
 def build_model(cfg, rank, device, fsdp, path, frozen=False):
     """The policy (or, frozen, a reference or teacher) from a Hugging Face directory. Under FSDP it is built on
     the meta device and sharded first; rank 0 reads the file and the others receive their shards, so no rank
@@ -132,7 +124,6 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False):
     full = Transformer.from_pretrained(path).state_dict() if rank == 0 else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model.requires_grad_(not frozen)
-
 
 # ---- batches: episodes -> padded tensors ----
 
@@ -157,7 +148,6 @@ def collate(msgs, device):
 EMPTY = {"ids": torch.zeros(2, dtype=torch.long), "loss_mask": torch.zeros(2), "versions": torch.full((2,), -1),
          "logprobs": torch.zeros(2), "routing": None, "engine_ids": torch.zeros(0, dtype=torch.long), "index": -1}
 
-
 def split_batch(msgs, advantages, world, budget):
     """The episodes of one update -> per rank, a list of micro-batches of (msg, advantage) pairs. Sorted by
     length and dealt in turn, so the ranks get similar work and a micro-batch pads little; a micro-batch
@@ -174,7 +164,6 @@ def split_batch(msgs, advantages, world, budget):
     n = max(1, *map(len, ranks))
     return [mbs + [[] for _ in range(n - len(mbs))] for mbs in ranks]
 
-
 def make_shares(msgs, advantages, world, cfg):
     """Rank 0: the batch -> each rank's share: per update (mini-batch, in data order), its micro-batches and
     the mini-batch's token and episode counts (what the aggregation divides by)."""
@@ -183,7 +172,6 @@ def make_shares(msgs, advantages, world, cfg):
     counts = [(float(sum(m["loss_mask"].sum() for m in ms)), float(len(ms))) for ms, _ in minis]
     per_rank = [split_batch(ms, adv, world, cfg.micro_batch_tokens) for ms, adv in minis]
     return [{"mini_batches": [p[r] for p in per_rank], "counts": counts} for r in range(world)]
-
 
 # ---- one optimizer step: recompute -> loss -> metrics ----
 
@@ -200,7 +188,6 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
     # a token outside the filter of these weights (a stale one) has probability 0: a finite floor, no gradient
     tok_logp = logp.gather(-1, ids[:, 1:][sel][:, None])[:, 0].clamp(min=-1e4)
     return logits, torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, tok_logp)
-
 
 def micro_loss(model, b, cfg, counts, adv, world):
     """-> (loss to backward, this micro-batch's loss metrics (LOSS_KEYS), pi_old's logp). b may hold the recompute
@@ -237,10 +224,8 @@ def micro_loss(model, b, cfg, counts, adv, world):
     # FSDP averages gradients over ranks; the aggregation already divides by the update's counts
     return (loss + cfg.router_aux_coef * aux) * world, m, old
 
-
 LOSS_KEYS = ["loss", "clip", "corr", "entropy", "kl", "router_aux", "distill_gap", "flips", "flip_n"]  # over updates
 CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum"]  # counted once per step
-
 
 def consistency(b, old_logp, version, max_staleness):
     """Staleness of every trained token and the trainer-vs-engine mismatch on the tokens the current weights
@@ -252,7 +237,6 @@ def consistency(b, old_logp, version, max_staleness):
     hist = torch.bincount(stale.clamp(max=max_staleness), minlength=max_staleness + 1)
     vec = torch.cat([torch.stack([sel.sum(), d.abs().sum(), kl.sum(), fresh.sum(), stale.sum()]).double(), hist])
     return vec, int(stale.max()) if stale.numel() else 0
-
 
 def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
     """This rank's share of a step: recompute, then ppo_epochs x mini-batch updates. share: from make_shares.
@@ -285,7 +269,6 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
                 opt.step()
     return torch.cat([losses.double(), checks]), stale_max, norms
 
-
 def reduce_metrics(vec, stale_max, world):
     """Sum the ranks' metric vectors (on the device: NCCL has no CPU tensors), max of their staleness."""
     if world > 1:
@@ -295,7 +278,6 @@ def reduce_metrics(vec, stale_max, world):
         stale_max = int(m.item())
     v, n = vec.tolist(), len(LOSS_KEYS) + len(CONSISTENCY_KEYS)
     return dict(zip(LOSS_KEYS + CONSISTENCY_KEYS, v[:n])), stale_max, [int(x) for x in v[n:]]
-
 
 def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, rollout_rate):
     """The metrics.jsonl line of a step. s: the reduced sums; times: {"step", "wait_rollout", "train", ...}."""
@@ -321,7 +303,6 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
            for k in sorted({k for m in msgs for k in m["info"]})},
     }
 
-
 # ---- checkpoints: a Hugging Face directory + trainer state, written atomically ----
 
 def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
@@ -346,7 +327,6 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
     if fsdp:
         dist.barrier()
 
-
 def load_trainer_state(ckpt, model, opt, fsdp):
     """-> what a checkpoint carries besides the weights (step, data position, counters); restores optimizer and rng."""
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
@@ -360,9 +340,7 @@ def load_trainer_state(ckpt, model, opt, fsdp):
         torch.set_rng_state(state.pop("rng"))
     return state | {"counters": counters | state.get("counters", {})}
 
-
 RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights")
-
 
 def check_out_dir(cfg):
     """A new run never destroys an earlier one's files: resume it, or say to overwrite it (rank 0 deletes them)."""
@@ -373,7 +351,6 @@ def check_out_dir(cfg):
                          f"replace it with --overwrite, or choose another --out_dir")
     for p in (os.path.join(cfg.out_dir, f) for f in RUN_FILES if os.environ.get("RANK", "0") == "0"):
         shutil.rmtree(p) if os.path.isdir(p) else os.remove(p) if os.path.exists(p) else None
-
 
 # ---- logging: metrics.jsonl, one console line, episodes dumped for reading ----
 
@@ -387,7 +364,6 @@ def log_step(cfg, m):
           f"| {m['time/step']:.2f}s (wait {m['time/wait_rollout']:.2f}s) | "
           f"tok/s {m['throughput/rollout_tokens_per_s']:.0f}", flush=True)
 
-
 def dump_episodes(cfg, step, msgs, tokenizer, n=4):
     with open(os.path.join(cfg.out_dir, "episodes.jsonl"), "a") as f:
         for m in msgs[:n]:
@@ -396,11 +372,9 @@ def dump_episodes(cfg, step, msgs, tokenizer, n=4):
                                 "text": tokenizer.decode(ids),
                                 "tokens": [[tokenizer.decode([t]), k] for t, k in zip(ids, mask)]}) + "\n")
 
-
 # ---- the loop ----
 
 STOP = {"signal": None}  # set by SIGTERM / Ctrl-C; the loop checkpoints and exits at the next step
-
 
 def take_batch(cfg, ro, version, counters):
     """Rank 0: prompts_per_step whole groups, less their episodes past the staleness bound (dropped and
@@ -431,7 +405,6 @@ def take_batch(cfg, ro, version, counters):
         os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
         torch.save(msgs, os.path.join(cfg.out_dir, "rollouts", f"step_{version + 1}.pt"))
     return msgs, wait
-
 
 def main(argv=None):
     cfg = config.load(argv)
@@ -537,7 +510,6 @@ def main(argv=None):
             ro.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()
