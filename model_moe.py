@@ -66,6 +66,14 @@ class ModelConfig:
         return (self.image_size // self.patch_size) ** 2
 
     @classmethod
+    def load(cls, path):
+        """The config.json of a Hugging Face directory."""
+        cfg_path = Path(path, "config.json")
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
+        return cls.from_hf(json.loads(cfg_path.read_text()), cfg_path)
+
+    @classmethod
     def from_hf(cls, d, path="config.json"):
         arch = (d.get("architectures") or ["?"])[0]
         if arch not in ARCHITECTURES:
@@ -342,10 +350,7 @@ class Transformer(nn.Module):
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
         """path: a Hugging Face directory, or a .gguf file (converted once, into convert_gguf's default out_dir)."""
         path = convert_gguf(str(path)) if str(path).endswith(".gguf") else path
-        cfg_path, index = Path(path, "config.json"), Path(path, "model.safetensors.index.json")
-        if not cfg_path.is_file():
-            raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
-        c = ModelConfig.from_hf(json.loads(cfg_path.read_text()), cfg_path)
+        c, index = ModelConfig.load(path), Path(path, "model.safetensors.index.json")
         with torch.device("meta"):
             model = cls(c)
         # a sharded checkpoint lists its files in the index; a missing file raises FileNotFoundError, naming it

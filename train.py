@@ -66,16 +66,9 @@ def latest_checkpoint(cfg):
     dirs = [os.path.join(cfg.out_dir, name) for name in ("ckpt", "ckpt.old")]
     return next((d for d in dirs if os.path.isfile(os.path.join(d, "trainer.pt"))), None)
 
-def read_config(path):
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
-    with open(cfg_path) as f:
-        return ModelConfig.from_hf(json.load(f), cfg_path)
-
 def same_architecture(a_dir, b_dir, expected=None):
     """Refuse to continue from weights of another architecture or vocabulary, naming the difference."""
-    a, b = read_config(a_dir).__dict__, (expected or read_config(b_dir)).__dict__
+    a, b = ModelConfig.load(a_dir).__dict__, (expected or ModelConfig.load(b_dir)).__dict__
     diff = [f"{k}: {a[k]} vs {b[k]}" for k in a if k != "max_position_embeddings" and a[k] != b[k]]
     if diff:
         raise ValueError(f"{a_dir} does not match {b_dir}: {'; '.join(diff)} (use another out_dir)")
@@ -113,7 +106,7 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False):
         return Transformer.from_pretrained(path, device=device).requires_grad_(not frozen)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     with torch.device("meta"):
-        model = Transformer(read_config(path))
+        model = Transformer(ModelConfig.load(path))
     # CPU (gloo): keep gathered weights from forward to backward: one all-gather fewer per block
     kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
               reshard_after_forward=device.type == "cuda")
