@@ -286,11 +286,11 @@ async def calc(task: dict, llm) -> dict:
             "info": {"turns": turn, "tool_calls": calls, "tool_errors": errors}}
 
 async def arith(task: dict, llm) -> Episode:
-    """Single turn `a+b=`; the first integer of the answer is checked."""
+    """Single turn, the question `arith_prompt` (default `a+b=`); the answer's last integer is checked ("3 + 4 = 7")."""
     ep = Episode()
-    ep.append(prompt_ids(llm.tokenizer, f"{task['a']}+{task['b']}="))
+    ep.append(prompt_ids(llm.tokenizer, task.get("arith_prompt", "{a}+{b}=").format(**task)))
     answer = _ints(await model_turn(llm, ep))
-    ep.reward = float(bool(answer) and answer[0] == task["a"] + task["b"])
+    ep.reward = float(bool(answer) and answer[-1] == task["a"] + task["b"])
     return ep
 
 def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tensor:

@@ -51,6 +51,7 @@ class Config:
     prompts_per_step: int = 8  # prompts per optimizer step; batch = prompts_per_step * group_size episodes
     max_turns: int = 3  # model turns per episode in multi-turn tasks
     guess_max: int = 7  # guess task: the secret is in 1..guess_max
+    arith_prompt: str = "{a}+{b}="  # arith task: the question, formatted with the task dict
     concurrent_agents: int = 64  # agents running at once in the rollout process
     episode_timeout: float = 120.0  # seconds before an agent is cancelled and its episode dropped
     max_failed_groups: int = 20  # stop the run after this many groups in a row whose every episode failed

@@ -408,7 +408,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     index, failed, in_a_row, running, groups = first * G, 0, 0, {}, {}
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
     knobs = {k: getattr(cfg, k) for k in ("seed", "group_size", "guess_max", "max_turns", "tool_timeout",
-                                          "tool_memory_mb", "image_size", "patch_size", "task_file")}
+                                          "tool_memory_mb", "image_size", "patch_size", "task_file", "arith_prompt")}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
 
     async def one(task, index):

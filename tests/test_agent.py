@@ -177,10 +177,13 @@ def test_routing_keeps_old_rows_where_new_is_unknown():
 
 
 # ---- arith ----
-@pytest.mark.parametrize("answer,reward", [("7", 1.0), ("7 or 8", 1.0), ("8", 0.0), ("", 0.0), ("17", 0.0)])
+@pytest.mark.parametrize("answer,reward", [("7", 1.0), ("3 + 4 = 7", 1.0), ("7 or 8", 0.0), ("8", 0.0),
+                                           ("", 0.0), ("17", 0.0)])
 def test_arith_reward(tok, answer, reward):
     ep = run(agent.arith, {"a": 3, "b": 4}, ScriptLLM(tok, [answer]))
     assert ep.reward == reward and ep.ids[: len(prompt_ids(tok, "3+4="))] == prompt_ids(tok, "3+4=")
+    ep = run(agent.arith, {"a": 3, "b": 4, "arith_prompt": "What is {a} + {b}?"}, ScriptLLM(tok, [answer]))
+    assert ep.reward == reward and ep.ids[: len(prompt_ids(tok, "What is 3 + 4?"))] == prompt_ids(tok, "What is 3 + 4?")
 
 
 # ---- loading agents and making tasks ----
