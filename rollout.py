@@ -577,13 +577,15 @@ def vllm_command(model_dir, port, cfg, moe):
     return argv, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
 
 def vllm_generate(url, ids, p, timeout):
-    """/v1/completions with a token-id prompt -> (sampled ids, their logprobs, experts (T-1, layers, k) or None)."""
+    """/v1/completions with one token-id prompt -> [(sampled ids, logprobs, experts (T-1, layers, k) or None)]. One
+    prompt a call: a list of prompts would share one sampling seed, and a group's equal prompts its samples."""
+    (ids,), (p,) = ids, p
     c = _http(url + "/v1/completions", {
         "prompt": ids, "max_tokens": p["max_new_tokens"], "temperature": p["temperature"], "top_p": p["top_p"],
         "top_k": p["top_k"] or -1, "stop_token_ids": p["stop_ids"], "seed": p["seed"], "logprobs": 0,  # sampled only
         "return_token_ids": True, "skip_special_tokens": False}, timeout)["choices"][0]
-    experts = c.get("routed_experts")  # base64 of .npy bytes
-    return c["token_ids"], c["logprobs"]["token_logprobs"], experts and np.load(io.BytesIO(base64.b64decode(experts)))
+    experts = c.get("routed_experts") and np.load(io.BytesIO(base64.b64decode(c["routed_experts"])))  # .npy bytes
+    return [(c["token_ids"], c["logprobs"]["token_logprobs"], experts)]
 
 def vllm_load_weights(url, path, timeout):
     """Reload weights in place from `path`, between a pause (running requests finish) and a resume."""
@@ -599,16 +601,16 @@ def sglang_command(model_dir, port, cfg, moe):
             "--sampling-defaults", "openai"]  # no sampling defaults from the checkpoint: ours are explicit
     return argv + ["--enable-return-routed-experts"] * moe, {}
 
-def sglang_generate(url, ids, p, timeout):
-    """The native /generate with input_ids; meta_info.output_token_logprobs holds (logprob, id, _) per token."""
-    m = _http(url + "/generate", {
-        "input_ids": ids, "return_logprob": True, "return_routed_experts": p["experts"],
-        "sampling_params": {"max_new_tokens": p["max_new_tokens"], "temperature": p["temperature"], "top_p": p["top_p"],
-                            "top_k": p["top_k"] or -1, "stop_token_ids": p["stop_ids"], "sampling_seed": p["seed"],
-                            "skip_special_tokens": False, "no_stop_trim": True}}, timeout)["meta_info"]
-    out = m["output_token_logprobs"]
-    experts = m.get("routed_experts")  # base64 of int32 (T-1, layers, k)
-    return [t[1] for t in out], [t[0] for t in out], experts and np.frombuffer(base64.b64decode(experts), np.int32)
+def sglang_generate(url, ids, ps, timeout):
+    """The native /generate with many prompts' input_ids -> per prompt (ids, logprobs, experts (T-1, layers, k))."""
+    answers = _http(url + "/generate", {"input_ids": ids, "return_logprob": True, "return_routed_experts": ps[0][
+        "experts"], "sampling_params": [{"max_new_tokens": p["max_new_tokens"], "temperature": p["temperature"],
+        "top_p": p["top_p"], "top_k": p["top_k"] or -1, "stop_token_ids": p["stop_ids"], "sampling_seed": p["seed"],
+        "skip_special_tokens": False, "no_stop_trim": True} for p in ps]}, timeout)
+    # meta_info.output_token_logprobs holds (logprob, id, _) per token; routed_experts is base64 of int32
+    return [([t[1] for t in m["output_token_logprobs"]], [t[0] for t in m["output_token_logprobs"]],
+             m.get("routed_experts") and np.frombuffer(base64.b64decode(m["routed_experts"]), np.int32))
+            for m in (a["meta_info"] for a in answers)]
 
 def sglang_load_weights(url, path, timeout):  # also flushes the radix cache: no prefix of the old weights is reused
     _http(url + "/update_weights_from_disk", {"model_path": path, "flush_cache": True}, timeout)
@@ -618,8 +620,9 @@ def sglang_receive(url, meta, timeout):
     for path in ("begin_weight_update", "update_weights_from_distributed", "end_weight_update"):
         _http(f"{url}/{path}", meta if path.startswith("update") else {}, timeout)
 
-SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weights=vllm_load_weights),
-           "sglang": dict(command=sglang_command, generate=sglang_generate, load_weights=sglang_load_weights)}
+SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weights=vllm_load_weights, batched=False),
+           "sglang": dict(command=sglang_command, generate=sglang_generate, load_weights=sglang_load_weights,
+                          batched=True)}  # one /generate for the requests of an event-loop tick: +30% tok/s (64 agents)
 
 class ServerEngine:
     """Round-robin over the servers (data parallel), one HTTP call per request in a thread; run() swaps weights."""
@@ -643,6 +646,7 @@ class ServerEngine:
         self.idle.set()
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
         self.calls, self.in_flight, self.t_busy, self.tokens_generated, self.busy_s = itertools.count(), 0, 0.0, 0, 0.0
+        self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
     async def generate(self, ids, max_new_tokens=None) -> Completion:
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
@@ -653,7 +657,7 @@ class ServerEngine:
         p = dict(self.params, max_new_tokens=max_new, seed=(self.seed * 1_000_003 + i) % 2**31)
         self._count(+1)
         try:
-            out, logprobs, experts = await self._call(i % len(self.urls), self.api["generate"], [*ids], p, self.timeout)
+            out, logprobs, experts = await self._submit(i % len(self.urls), [*ids], p)
         finally:
             self._count(-1)
         self.tokens_generated += len(out)
@@ -665,6 +669,26 @@ class ServerEngine:
             # (T, n_moe_layers, k) as Completion has it: -1 for the last sampled token, never fed
             routing = torch.cat([routing, routing.new_full((1, *routing.shape[1:]), -1)])
         return Completion(out, logprobs, [version] * len(out), routing)
+
+    def _submit(self, k, ids, p):
+        """-> a future of server k's answer. Where the server takes lists, the requests of one event-loop tick share
+        a call: its send runs after every agent woken in that tick (by the last call's answers) has asked."""
+        if not self.queued[k] or not self.api["batched"]:
+            self.queued[k] = []
+            asyncio.ensure_future(self._send(k, self.queued[k]))  # held by the loop, then by its HTTP call
+        self.queued[k].append((ids, p, asyncio.get_running_loop().create_future()))
+        return self.queued[k][-1][2]
+
+    async def _send(self, k, batch):
+        if self.queued[k] is batch:  # closed: later requests start the next one
+            self.queued[k] = []
+        try:
+            outs = await self._call(k, self.api["generate"], [b[0] for b in batch], [b[1] for b in batch], self.timeout)
+        except Exception as e:  # every caller sees the failure (a ServerError: the rollout stops)
+            outs = [e] * len(batch)
+        for (*_, fut), out in zip(batch, outs):
+            if not fut.done():  # its agent was cancelled meanwhile
+                fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
 
     def _count(self, d):
         """Requests in flight: busy_s is the time with at least one; `idle` is set when there are none."""

@@ -113,8 +113,10 @@ class FakeSGLang:
                 break
         return out
 
-    def generate(self, body):
-        ids, sp = body["input_ids"], body["sampling_params"]
+    def generate(self, body):  # many prompts at once, as the real server takes them
+        return [self.answer(body, ids, sp) for ids, sp in zip(body["input_ids"], body["sampling_params"], strict=True)]
+
+    def answer(self, body, ids, sp):
         out = self.outputs(ids, sp)
         meta = {"id": "0", "finish_reason": {"type": "length", "length": len(out)}, "prompt_tokens": len(ids),
                 "completion_tokens": len(out), "cached_tokens": 0, "e2e_latency": 0.01,
@@ -153,8 +155,8 @@ def test_sglang_request_and_response_shapes(tmp_path):
     assert fake.calls("/update_weights_from_disk")[0]["model_path"] == str(tmp_path / "engine_weights" / "v0")
     assert fake.requests[0][0] == "/update_weights_from_disk" and fake.requests[0][1]["flush_cache"] is True
     body = fake.calls("/generate")[0]
-    assert body["input_ids"] == prompt and body["return_logprob"] is True and body["return_routed_experts"] is True
-    sp = body["sampling_params"]
+    assert body["input_ids"] == [prompt] and body["return_logprob"] is True and body["return_routed_experts"] is True
+    sp = body["sampling_params"][0]
     assert sp["max_new_tokens"] == 5 and sp["temperature"] == 0.7 and sp["top_p"] == 0.9 and sp["top_k"] == -1
     assert sp["stop_token_ids"] == [2] and isinstance(sp["sampling_seed"], int)
     assert sp["skip_special_tokens"] is False  # ids, never text, but keep the stop token visible
@@ -184,13 +186,29 @@ def test_dense_model_asks_for_no_routing_and_servers_take_turns(tmp_path):
         f.close()
 
 
+def test_requests_made_together_share_one_generate_call(tmp_path):
+    """SGLang's /generate takes many prompts: the requests of one moment go in one call, each gets its answer."""
+    fake = FakeSGLang(384)
+    e = sglang_engine([fake], tmp_path, tiny_config(384, experts=4))
+    prompts = [[1, 50 + i % 3] for i in range(8)]  # equal prompts too, as in a group
+
+    async def together():
+        return await asyncio.gather(*(e.generate(p) for p in prompts))
+    comps = drive(e, together)
+    (body,) = fake.calls("/generate")
+    assert body["input_ids"] == prompts and len({sp["sampling_seed"] for sp in body["sampling_params"]}) == 8
+    assert [c.ids for c in comps] == [fake.outputs(p, sp) for p, sp in zip(prompts, body["sampling_params"])]
+    assert [c.routing.shape[0] for c in comps] == [len(p) + len(c.ids) for p, c in zip(prompts, comps)]
+    fake.close()
+
+
 def test_agents_train_exactly_the_server_tokens(tmp_path, tok):
     fake = FakeSGLang(len(tok))
     cfg = config.load(["--group_size=2", "--prompts_per_step=2", "--max_turns=3", "--max_staleness=0"])
     e = sglang_engine([fake], tmp_path, tiny_config(len(tok)), stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
                       max_new_tokens=4)
     msgs = collect(cfg, e, tok, 4)
-    returned = [fake.outputs(b["input_ids"], b["sampling_params"]) for b in fake.calls("/generate")]
+    returned = [fake.outputs(i, sp) for b in fake.calls("/generate") for i, sp in zip(b["input_ids"], b["sampling_params"])]
     for m in msgs:
         ids, mask = m["ids"], m["loss_mask"].bool()
         assert torch.equal(ids[mask], m["engine_ids"])
