@@ -335,9 +335,7 @@ def load_agent(name: str):
 def load_task_file(path: str) -> list[dict]:
     """JSONL, one JSON object per prompt, merged into its task dict; a bad line names the file and line."""
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in filter(lambda nl: nl[1].strip(), enumerate(Path(path).read_text().splitlines(), 1)):  # not blank
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:

@@ -1,8 +1,8 @@
 """endpoint.py: an OpenAI-compatible endpoint, so an agent can be any program that speaks the chat API. One aiohttp
-server per rollout process, in its loop; each episode's base URL is http://127.0.0.1:PORT/ep/<id>/v1. A request's
-messages are rendered with the chat template; when the text starts with a segment's text so far (prompts as
-rendered, completions as sampled), the segment's ids are kept and only the rest is tokenized. Else (Qwen3 drops
-earlier <think> blocks, the agent edits its history) a new segment starts. Each segment is one trained episode."""
+server per rollout process, in its loop; each episode's base URL is http://127.0.0.1:PORT/ep/<id>/v1. Chat messages
+are rendered with the chat template (/v1/completions takes text or token ids); when the prompt starts with a
+segment's so far (prompts as rendered, completions as sampled), its ids are kept and only the rest is tokenized.
+Else (Qwen3 drops earlier <think> blocks, the agent edits its history) a new segment, one more trained episode."""
 import asyncio
 import functools
 import itertools
@@ -23,19 +23,21 @@ async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
     server = {"tok": tokenizer, "sampling": sampling, "model": model, "ids": itertools.count(),
               "episodes": weakref.WeakValueDictionary()}  # an episode's llm; it goes when the rollout drops it
     app = web.Application(client_max_size=64 << 20)
-    app.router.add_post("/ep/{ep}/v1/chat/completions", functools.partial(_handle, server))
+    for path, fn in [("chat/completions", _chat), ("completions", _complete)]:
+        app.router.add_post(f"/ep/{{ep}}/v1/{path}", functools.partial(_handle, server, fn))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     server["port"], server["runner"] = runner.addresses[0][1], runner
     return server
 
-def attach(server: dict, llm) -> None:
-    """Give an episode's llm (a rollout.Policy) its base URL and an empty record."""
+def attach(server: dict, llm):
+    """Give an episode's llm (a rollout.Policy) its base URL and an empty record; -> llm."""
     eid = f"{next(server['ids'])}"
     server["episodes"][eid] = llm
     llm.base_url, llm.api_key, llm.model = f"http://127.0.0.1:{server['port']}/ep/{eid}/v1", "nanomolt", server["model"]
     llm.segs, llm.lock, llm.counts = [], asyncio.Lock(), {"tool_calls": 0, "malformed_tool_calls": 0}
+    return llm
 
 def segments(llm, result) -> list:
     """After a chat agent returned `result` (a reward, or {"reward": r, "info": {...}}): its episodes, one per
@@ -49,83 +51,94 @@ def segments(llm, result) -> list:
         s["ep"].reward, s["ep"].info = float(reward), dict(llm.counts, **info, segments=len(llm.segs))
     return [(s["ep"], s["calls"]) for s in llm.segs]
 
-async def _handle(server, request):
+async def _handle(server, fn, request):
     try:
         llm = server["episodes"].get(request.match_info["ep"])
         if llm is None:
             raise _error(f"unknown episode {request.match_info['ep']!r} (finished, or never started)",
                          None, "episode_not_found", web.HTTPNotFound)
-        try:
-            body = await request.json()
-        except ValueError:
-            raise _error("the body is not valid JSON") from None
+        body = await request.json()  # not JSON: a ValueError, a 400 below
         if not isinstance(body, dict):
             raise _error("the body must be a JSON object")
         # refused: sampling knobs would change the distribution the trainer assumes; the record holds one answer
-        for k, v in [*server["sampling"].items(), ("n", 1), ("stream", False)]:
+        for k, v in [*server["sampling"].items(), ("n", 1), ("best_of", 1), ("stream", False), ("echo", False)]:
             if body.get(k) is not None and body[k] != v:
                 raise _error(f"{k}={body[k]!r} differs from the run's {k}={v!r}", k)
         async with llm.lock:  # one call of an episode at a time: each extends the record it was matched to
-            out = await _chat(server, llm, body)
-        return web.json_response({"id": f"nanomolt-{time.monotonic_ns()}", "created": int(time.time()),
-                                  "model": server["model"], **out})
+            kind, choice, usage = await fn(server, llm, body)
+        return web.json_response({"id": f"nanomolt-{time.monotonic_ns()}", "object": kind, "model": server["model"],
+                                  "created": int(time.time()), "choices": [dict(index=0, **choice)], "usage": usage})
     except (ValueError, RuntimeError) as e:  # the engine refused it: too long a prompt, a closed episode
         code = "context_length_exceeded" if "max_len" in str(e) else None
-        raise _error(str(e), "messages" if code else None, code) from None
+        raise _error(str(e), code and ("prompt" if fn is _complete else "messages"), code) from None
 
 def _error(message, param=None, code=None, http=web.HTTPBadRequest):
     """An OpenAI-style error body (what the agent's client raises) as an aiohttp exception, for the handler to raise."""
     error = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
     return http(text=json.dumps({"error": error}), content_type="application/json")
 
-async def _chat(server, llm, body):
-    """One chat turn: render, sample after the longest segment the rendering extends (else a new one), reply. The
-    record changes only once the engine answered."""
-    tok, msgs, tools = server["tok"], body.get("messages"), body.get("tools")
-    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                         and isinstance(m.get("content") or "", str) for m in msgs):
-        raise _error("messages must be a non-empty list of objects with a role and text content", "messages")
+async def _sample(server, llm, body, text, ids=None):
+    """Sample after the longest segment the prompt (text, or token ids when given) extends, else in a new segment; the
+    record changes only once the engine answered. -> (text sampled up to a stop string, finish_reason, usage, ids)"""
+    tok = server["tok"]
     max_new = body.get("max_completion_tokens") or body.get("max_tokens")
     if max_new is not None and not (isinstance(max_new, int) and max_new > 0):
         raise _error(f"max_tokens={max_new!r} must be a positive integer", "max_tokens")
     stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise _error("stop must be a string or a list of non-empty strings", "stop")
-    msgs = [dict(m, content=m.get("content") or "") for m in msgs]  # templates want a string, also with tool calls
-    try:
-        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # a template's error (jinja's, a bad tool's) is the request's, not the rollout's
-        raise _error(f"the chat template cannot render these messages: {e}", "messages") from e
-    # the longest segment whose text the rendering extends; its ids stay, only the rest is tokenized
-    seg = max((s for s in llm.segs if text.startswith(s["text"])), key=lambda s: len(s["text"]), default=None)
-    new = tok.encode(text[len(seg["text"]):] if seg else text, add_special_tokens=False)
-    prompt = (seg["ep"].ids if seg else []) + new
-    c = await llm.generate(prompt, max_new)
+    # the longest segment the prompt extends (as text, or as ids); its ids stay, only the rest is tokenized
+    p, k = (text, "text") if ids is None else (ids, "ids")
+    seg = max((s for s in llm.segs if p[:len(s[k])] == s[k]), key=lambda s: len(s[k]), default=None)
+    if ids is None:
+        ids = (seg["ids"] if seg else []) + tok.encode(text[len(seg["text"]) if seg else 0:], add_special_tokens=False)
+    c = await llm.generate(ids, max_new)
     decode = functools.partial(tok.decode, skip_special_tokens=False)
     sampled = decode(c.ids)
     cut = min((sampled.index(s) for s in stop if s in sampled), default=None)
     if cut is not None:  # a stop string ends the turn: the tokens after the one that completes it were never shown
         k = next(k for k in range(1, len(c.ids) + 1) if any(s in decode(c.ids[:k]) for s in stop))
         c.ids[k:], c.logprobs[k:], c.versions[k:] = [], [], []  # in place: llm.calls holds this record
-        c.routing = None if c.routing is None else c.routing[:len(prompt) + k]
+        c.routing = None if c.routing is None else c.routing[:len(ids) + k]
     if seg is None:
-        llm.segs.append(seg := {"ep": agent_mod.Episode(), "calls": [], "text": ""})
-    seg["ep"].append(new)
+        llm.segs.append(seg := {"ep": (ep := agent_mod.Episode()), "ids": ep.ids, "calls": [], "text": ""})
+    seg["ep"].append(ids[len(seg["ids"]):])  # seg["ids"] is seg["ep"].ids: Episode appends in place
     seg["ep"].append_completion(c)
     seg["calls"].append(llm.calls[-1])
-    seg["text"] = text + sampled[:cut]
-    content = sampled[:cut].removesuffix(tok.eos_token)
-    msg = {"role": "assistant", "content": content}
+    seg["text"] = (text or decode(ids)) + sampled[:cut]
     finish = "stop" if cut is not None or (c.ids and c.ids[-1] == tok.eos_token_id) else "length"
+    usage = dict(prompt_tokens=len(ids), completion_tokens=len(c.ids), total_tokens=len(ids) + len(c.ids))
+    return sampled[:cut], finish, usage, c.ids
+
+async def _chat(server, llm, body):
+    """One chat turn: the messages rendered with the chat template (with tools), sampled, tool calls parsed."""
+    tok, msgs, tools = server["tok"], body.get("messages"), body.get("tools")
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                         and isinstance(m.get("content") or "", str) for m in msgs):
+        raise _error("messages must be a non-empty list of objects with a role and text content", "messages")
+    msgs = [dict(m, content=m.get("content") or "") for m in msgs]  # templates want a string, also with tool calls
+    try:
+        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # a template's error (jinja's, a bad tool's) is the request's, not the rollout's
+        raise _error(f"the chat template cannot render these messages: {e}", "messages") from e
+    content, finish, usage, _ = await _sample(server, llm, body, text)
+    msg = {"role": "assistant", "content": (content := content.removesuffix(tok.eos_token))}
     if tools and "<tool_call>" in content:
         calls = _tool_calls(content)
         llm.counts["malformed_tool_calls" if calls is None else "tool_calls"] += 1
         if calls:
             msg["content"], msg["tool_calls"] = content[:content.index("<tool_call>")].removesuffix("\n"), calls
             finish = "tool_calls"
-    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(c.ids), "total_tokens": len(prompt) + len(c.ids)}
-    return {"object": "chat.completion", "choices": [{"index": 0, "message": msg, "finish_reason": finish,
-                                                      "logprobs": None}], "usage": usage}
+    return "chat.completion", {"message": msg, "finish_reason": finish}, usage
+
+async def _complete(server, llm, body):
+    """A completion of one prompt, text or token ids. Its text is what was sampled, special tokens included, and
+    token_ids the ids: prompt + either is the record, so a next prompt that starts with it continues the segment."""
+    p, n = body.get("prompt"), len(server["tok"])
+    if not (isinstance(p, str) and p or isinstance(p, list) and p and all(type(i) is int and 0 <= i < n for i in p)):
+        raise _error(f"prompt must be a non-empty string or list of token ids in [0, {n}), one prompt", "prompt")
+    text, finish, usage, ids = await _sample(server, llm, body, *((p, None) if isinstance(p, str) else ("", p)))
+    return "text_completion", {"text": text, "token_ids": ids, "finish_reason": finish}, usage
 
 def _tool_calls(text):
     """Every <tool_call>{"name": ..., "arguments": {...}}</tool_call> in text -> OpenAI tool_calls; None if any is

@@ -282,3 +282,65 @@ def test_qwen3_vocabulary_random_model_through_the_endpoint():
             logp = torch.log_softmax(engine.model(ids[None])[0].float(), -1)
         assert (logp[:-1].gather(-1, ids[1:, None])[:, 0][mask[1:]] - logprobs[mask]).abs().max() < 1e-5
     assert sum(len(calls) for _, calls in segs) == 2
+
+
+# ---- /v1/completions: a prompt as token ids or as text, appended to the episode's record like chat turns ----
+def test_completions_with_token_ids_and_text_extend_one_segment(tok):
+    async def complete(client, llm):
+        first = agent.prompt_ids(tok, "Guess my number from 1 to 7.")
+        r1 = await client.completions.create(model=llm.model, prompt=first, max_tokens=4)
+        ids = first + r1.choices[0].token_ids + agent.turn_suffix(tok, "4 is too low")  # the sampled ids, as sampled
+        r2 = await client.completions.create(model=llm.model, prompt=ids)
+        text = tok.decode(ids) + r2.choices[0].text + "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+        r3 = await client.completions.create(model=llm.model, prompt=text)  # as text: only the new part is tokenized
+        return first, [r1, r2, r3]
+    llm, (first, replies) = chat_episode(dense_engine(tok), tok, complete)
+    [(ep, calls)] = endpoint.segments(llm, 1.0)
+    engine_ids = check_tokens(ep, calls)[-1]
+    assert len(calls) == 3 and ep.ids[:len(first)] == first and not any(ep.loss_mask[:len(first)])
+    assert torch.equal(torch.tensor(ep.ids)[torch.tensor(ep.loss_mask).bool()], engine_ids)
+    assert "4 is too low" in tok.decode(ep.ids) and tok.decode(ep.ids).count("again") == 1
+    for r, (prompt, c, _) in zip(replies, calls):
+        assert r.object == "text_completion" and r.choices[0].text == tok.decode(c.ids)  # special tokens kept
+        assert r.choices[0].token_ids == c.ids
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), len(c.ids))
+        assert r.choices[0].finish_reason == ("stop" if c.ids[-1] == tok.eos_token_id else "length")
+    assert len(calls[0][1].ids) <= 4
+
+
+def test_completions_refuse_bad_prompts_and_a_new_prefix_is_a_new_segment(tok):
+    async def bad(client, llm):
+        errors = []
+        for prompt in [3.5, [1, "a"], [len(tok)], [[1, 2], [3]], ["a", "b"], "", [], [True]]:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.completions.create(model=llm.model, prompt=prompt)
+            errors.append(e.value.body)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(model=llm.model, prompt=[5] * 600)
+        errors.append(e.value.body)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(model=llm.model, prompt="hi", echo=True)
+        errors.append(e.value.body)
+        for text in ("I guess", "You guess"):  # the second does not extend the first: a new segment
+            await client.completions.create(model=llm.model, prompt=text, stop=["<|im_end|>"])
+        return errors
+    llm, errors = chat_episode(dense_engine(tok), tok, bad)
+    assert all(e["param"] == "prompt" for e in errors[:-1]) and errors[-1]["param"] == "echo", errors
+    assert errors[-2]["code"] == "context_length_exceeded"
+    segs = endpoint.segments(llm, 0.0)
+    assert [len(calls) for _, calls in segs] == [1, 1]
+    for ep, calls in segs:
+        check_tokens(ep, calls)
+
+
+# ---- an agent that is a separate process, handed the base URL in its environment ----
+def test_a_separate_agent_program_is_trained_token_exactly(tok):
+    """tests/agents/process_agent.py runs tests/agents/sum_program.py (the openai client in another process) per
+    episode, through produce(): every episode passes the token check, its reward is what the program printed."""
+    agent_file = os.path.join(os.path.dirname(__file__), "agents", "process_agent.py")
+    cfg = config.load([f"--task={agent_file}", "--group_size=2", "--prompts_per_step=2", "--concurrent_agents=4"])
+    msgs = collect(cfg, dense_engine(tok), tok, 4)  # produce() ran check_tokens on each: it passed
+    assert len(msgs) == 4 and all(m["info"]["segments"] == 1 and m["reward"] in (0.0, 1.0) for m in msgs)
+    for m in msgs:
+        assert torch.equal(m["ids"][m["loss_mask"].bool()], m["engine_ids"])
+        assert tok.decode(m["ids"]).count("<|im_start|>assistant") == 2 and "Sure?" in tok.decode(m["ids"])
