@@ -153,6 +153,40 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+class LoRALinear(nn.Module):
+    """LoRA (arXiv:2106.09685) on a frozen linear layer: y = x W^T + b + scale * (x A^T) B^T, A (r, in) random,
+    B (out, r) zero, so training starts at the base model. Keys weight, bias, lora_A, lora_B under the layer's name."""
+    def __init__(self, base: nn.Linear, rank, scale):
+        super().__init__()
+        self.weight, self.bias, self.scale = base.weight, base.bias, scale
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(torch.randn(rank, base.in_features, device=dev) / base.in_features ** 0.5)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=dev))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) + self.scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
+
+def add_lora(model, rank, scale, targets):
+    """Replace each linear layer whose last name is in targets (lm_head and MoE experts are never targets)."""
+    for name, m in list(model.named_modules()):
+        parent, _, leaf = name.rpartition(".")
+        if type(m) is nn.Linear and leaf in targets and name != "lm_head":
+            setattr(model.get_submodule(parent), leaf, LoRALinear(m, rank, scale))
+    if missing := set(targets) - {n.rpartition(".")[2] for n, m in model.named_modules() if type(m) is LoRALinear}:
+        raise ValueError(f"config: lora_targets {sorted(missing)} name no linear layer of this model "
+                         f"(MoE experts and lm_head are not LoRA targets)")
+    return model
+
+def merge_lora(sd, scale):
+    """A state dict with adapters -> (the merged one: W + scale * B @ A under the base names, what an engine and
+    transformers load; the adapters alone)."""
+    adapters = {k: v for k, v in sd.items() if ".lora_" in k}
+    merged = {k: v for k, v in sd.items() if k not in adapters}
+    for a in (k for k in adapters if k.endswith(".lora_A")):
+        w = a.removesuffix("lora_A")
+        merged[w + "weight"] = merged[w + "weight"] + scale * adapters[w + "lora_B"] @ adapters[a]
+    return merged, adapters
+
 class MoE(nn.Module):
     """Softmax router, top-k experts, SwiGLU experts stored stacked; tokens grouped per expert."""
     def __init__(self, c: ModelConfig):

@@ -34,7 +34,7 @@ import agent
 import config
 import estimators as est
 import rollout
-from model_moe import ModelConfig, Transformer, convert_gguf, save_pretrained
+from model_moe import ModelConfig, Transformer, add_lora, convert_gguf, merge_lora, save_pretrained
 
 # ---- distributed: the same script runs under python and torchrun ----
 
@@ -55,9 +55,17 @@ def compute_init(cfg):
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
-def full_state(model, fsdp):
-    """The whole (unsharded) state dict on rank 0, on CPU; an empty dict on other ranks."""
-    return get_model_state_dict(model, options=FULL) if fsdp else {k: v.cpu() for k, v in model.state_dict().items()}
+def full_state(model, fsdp, cfg, changed=False):
+    """-> (the whole (unsharded) state dict with LoRA merged in, under the base names; the LoRA adapters) on rank 0,
+    on CPU; empty dicts on other ranks. changed: only the weights LoRA adapts (with LoRA, nothing else changes)."""
+    if changed:  # every rank joins each gather (full_tensor is a collective), in named_parameters' order
+        lora = {k.removesuffix("lora_A") for k, _ in model.named_parameters() if k.endswith(".lora_A")}
+        sd = {k: (p.full_tensor() if fsdp else p).detach().cpu() for k, p in model.named_parameters()
+              if k[:k.rfind(".") + 1] in lora}
+        sd = {} if fsdp and dist.get_rank() else sd
+    else:
+        sd = get_model_state_dict(model, options=FULL) if fsdp else {k: v.cpu() for k, v in model.state_dict().items()}
+    return merge_lora(sd, cfg.lora_scale)
 
 # ---- the policy ----
 
@@ -98,25 +106,34 @@ def tiny_init(cfg, rank, fsdp):
         dist.barrier()
     return path
 
-def build_model(cfg, rank, device, fsdp, path, frozen=False):
+def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
     """The policy (or, frozen, a reference or teacher) from a Hugging Face directory. Under FSDP it is built on
     the meta device and sharded first; rank 0 reads the file and the others receive their shards, so no rank
-    holds a second full copy. Parameters are float32 (the master weights); `dtype` is the compute dtype."""
-    if not fsdp:
-        return Transformer.from_pretrained(path, device=device).requires_grad_(not frozen)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    with torch.device("meta"):
-        model = Transformer(ModelConfig.load(path))
-    # CPU (gloo): keep gathered weights from forward to backward: one all-gather fewer per block
-    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
-              reshard_after_forward=device.type == "cuda")
-    for block in model.model.layers:  # one unit per block; the root holds embeddings, final norm and lm_head
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    model.to_empty(device=device)
-    full = Transformer.from_pretrained(path).state_dict() if rank == 0 else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    return model.requires_grad_(not frozen)
+    holds a second full copy. Parameters are float32 (the master weights); `dtype` is the compute dtype.
+    lora_rank > 0 (the policy): LoRA adapters on lora_targets, the only trainable parameters (FSDP shards them
+    with the frozen base, in the same units); `adapters` (rank 0): a resumed run's, else A random, B 0."""
+    lora = cfg.lora_rank > 0 and not frozen
+    def adapt(m):
+        return add_lora(m, cfg.lora_rank, cfg.lora_scale, cfg.lora_targets.split(",")) if lora else m
+    if fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        with torch.device("meta"):
+            model = adapt(Transformer(ModelConfig.load(path)))
+        # CPU (gloo): keep gathered weights from forward to backward: one all-gather fewer per block
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
+                  reshard_after_forward=device.type == "cuda")
+        for block in model.model.layers:  # one unit per block; the root holds embeddings, final norm and lm_head
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        model.to_empty(device=device)
+        full = adapt(Transformer.from_pretrained(path)).state_dict() | (adapters or {}) if rank == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        model = adapt(Transformer.from_pretrained(path, device=device))
+        model.load_state_dict(adapters or {}, strict=False)
+    for name, p in model.named_parameters():  # LoRA: the base frozen (no gradient, no optimizer state)
+        p.requires_grad_(not frozen and (not lora or ".lora_" in name))
+    return model
 
 # ---- batches: episodes -> padded tensors ----
 
@@ -299,7 +316,7 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
 # ---- checkpoints: a Hugging Face directory + trainer state, written atomically ----
 
 def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
-    full = full_state(model, fsdp)
+    full, adapters = full_state(model, fsdp, cfg)
     osd = get_optimizer_state_dict(model, opt, options=FULL) if fsdp else opt.state_dict()
     if rank == 0:
         final, tmp = os.path.join(cfg.out_dir, "ckpt"), os.path.join(cfg.out_dir, f"ckpt.tmp-{state['step']}")
@@ -307,7 +324,8 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
         try:
             save_pretrained(tmp, model.config, full)
             rollout.save_tokenizer(tokenizer_dir, tmp)  # the tokenizer travels with the weights
-            torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state}, os.path.join(tmp, "trainer.pt"))
+            torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state, "adapters": adapters},
+                       os.path.join(tmp, "trainer.pt"))
         except OSError as e:
             raise RuntimeError(f"checkpoint write failed at step {state['step']} ({e}); {final} is as it was") from e
         # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete
@@ -325,7 +343,8 @@ def load_trainer_state(ckpt, model, opt, fsdp):
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
     state = {"step": 0, "data_position": 0, "rollout_counts": None}
     if ckpt is not None:
-        state |= torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
+        state |= {k: v for k, v in torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False).items()
+                  if k != "adapters"}  # (build_model took them)
         if fsdp:
             set_optimizer_state_dict(model, opt, state.pop("optimizer"), options=StateDictOptions(full_state_dict=True))
         else:
@@ -420,13 +439,19 @@ def main(argv=None):
     if ckpt:
         same_architecture(ckpt, init)
     tokenizer_dir = ckpt or init  # the weights' own tokenizer
-    model = build_model(cfg, rank, device, fsdp, tokenizer_dir)
+    # LoRA: the base is the initial model's, frozen; a checkpoint's merged weights are for engines and transformers
+    resumed = cfg.lora_rank and ckpt and rank == 0
+    adapters = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)["adapters"] if resumed else None
+    model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir, adapters=adapters)
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     state = load_trainer_state(ckpt, model, opt, fsdp)  # what the checkpoints carry on, counters included
     step, counters = state["step"], state["counters"]
-    weights = full_state(model, fsdp)
+    weights = full_state(model, fsdp, cfg)[0]
+    # LoRA: publish only the adapted weights where the engine keeps the rest (disk: a server loads whole directories)
+    changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")
     ro = tokenizer = None
     if rank == 0:
         from transformers import AutoTokenizer
@@ -481,7 +506,7 @@ def main(argv=None):
             step += 1
             # ---- 5. publish weights as version `step`; log; checkpoint ----
             t_sync = time.perf_counter()
-            weights = full_state(model, fsdp)
+            weights = full_state(model, fsdp, cfg, changed)[0]
             if ro is not None:
                 ro.publish(weights, step)
             t_sync = time.perf_counter() - t_sync
