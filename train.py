@@ -34,7 +34,7 @@ import agent
 import config
 import estimators as est
 import rollout
-from model_moe import ModelConfig, Transformer, add_lora, convert_gguf, merge_lora, save_pretrained
+from model_moe import LoRALinear, ModelConfig, Transformer, add_lora, convert_gguf, merge_lora, save_pretrained
 
 # ---- distributed: the same script runs under python and torchrun ----
 
@@ -55,17 +55,16 @@ def compute_init(cfg):
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
-def full_state(model, fsdp, cfg, changed=False):
-    """-> (the whole (unsharded) state dict with LoRA merged in, under the base names; the LoRA adapters) on rank 0,
-    on CPU; empty dicts on other ranks. changed: only the weights LoRA adapts (with LoRA, nothing else changes)."""
-    if changed:  # every rank joins each gather (full_tensor is a collective), in named_parameters' order
-        lora = {k.removesuffix("lora_A") for k, _ in model.named_parameters() if k.endswith(".lora_A")}
-        sd = {k: (p.full_tensor() if fsdp else p).detach().cpu() for k, p in model.named_parameters()
-              if k[:k.rfind(".") + 1] in lora}
+def full_state(model, fsdp, changed=False, merged=True):
+    """The whole (unsharded) state dict on rank 0, on CPU, LoRA adapters merged in (model_moe.merge_lora) unless
+    merged=False; an empty dict on other ranks. changed: only the layers LoRA adapts (nothing else changes)."""
+    if changed:  # every rank joins each gather (full_tensor is a collective), in the same order
+        sd = {f"{n}.{k}": (p.full_tensor() if fsdp else p).detach().cpu() for n, m in model.named_modules()
+              if isinstance(m, LoRALinear) for k, p in m.named_parameters()}
         sd = {} if fsdp and dist.get_rank() else sd
     else:
         sd = get_model_state_dict(model, options=FULL) if fsdp else {k: v.cpu() for k, v in model.state_dict().items()}
-    return merge_lora(sd, cfg.lora_scale)
+    return merge_lora(model, sd)[0] if merged else sd
 
 # ---- the policy ----
 
@@ -112,9 +111,8 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
     holds a second full copy. Parameters are float32 (the master weights); `dtype` is the compute dtype.
     lora_rank > 0 (the policy): LoRA adapters on lora_targets, the only trainable parameters (FSDP shards them
     with the frozen base, in the same units); `adapters` (rank 0): a resumed run's, else A random, B 0."""
-    lora = cfg.lora_rank > 0 and not frozen
-    def adapt(m):
-        return add_lora(m, cfg.lora_rank, cfg.lora_scale, cfg.lora_targets.split(",")) if lora else m
+    targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen else []  # none: add_lora changes nothing
+    adapt = lambda m: add_lora(m, cfg.lora_rank, cfg.lora_scale, targets)
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         with torch.device("meta"):
@@ -132,7 +130,7 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
         model = adapt(Transformer.from_pretrained(path, device=device))
         model.load_state_dict(adapters or {}, strict=False)
     for name, p in model.named_parameters():  # LoRA: the base frozen (no gradient, no optimizer state)
-        p.requires_grad_(not frozen and (not lora or ".lora_" in name))
+        p.requires_grad_(not frozen and (not targets or ".lora_" in name))
     return model
 
 # ---- batches: episodes -> padded tensors ----
@@ -316,7 +314,7 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
 # ---- checkpoints: a Hugging Face directory + trainer state, written atomically ----
 
 def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
-    full, adapters = full_state(model, fsdp, cfg)
+    full, state["adapters"] = merge_lora(model, full_state(model, fsdp, merged=False))  # (state: this save's copy)
     osd = get_optimizer_state_dict(model, opt, options=FULL) if fsdp else opt.state_dict()
     if rank == 0:
         final, tmp = os.path.join(cfg.out_dir, "ckpt"), os.path.join(cfg.out_dir, f"ckpt.tmp-{state['step']}")
@@ -324,8 +322,7 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
         try:
             save_pretrained(tmp, model.config, full)
             rollout.save_tokenizer(tokenizer_dir, tmp)  # the tokenizer travels with the weights
-            torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state, "adapters": adapters},
-                       os.path.join(tmp, "trainer.pt"))
+            torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state}, os.path.join(tmp, "trainer.pt"))
         except OSError as e:
             raise RuntimeError(f"checkpoint write failed at step {state['step']} ({e}); {final} is as it was") from e
         # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete
@@ -343,8 +340,7 @@ def load_trainer_state(ckpt, model, opt, fsdp):
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
     state = {"step": 0, "data_position": 0, "rollout_counts": None}
     if ckpt is not None:
-        state |= {k: v for k, v in torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False).items()
-                  if k != "adapters"}  # (build_model took them)
+        state |= torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
         if fsdp:
             set_optimizer_state_dict(model, opt, state.pop("optimizer"), options=StateDictOptions(full_state_dict=True))
         else:
@@ -449,7 +445,7 @@ def main(argv=None):
                             weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     state = load_trainer_state(ckpt, model, opt, fsdp)  # what the checkpoints carry on, counters included
     step, counters = state["step"], state["counters"]
-    weights = full_state(model, fsdp, cfg)[0]
+    weights = full_state(model, fsdp)
     # LoRA: publish only the adapted weights where the engine keeps the rest (disk: a server loads whole directories)
     changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")
     ro = tokenizer = None
@@ -506,7 +502,7 @@ def main(argv=None):
             step += 1
             # ---- 5. publish weights as version `step`; log; checkpoint ----
             t_sync = time.perf_counter()
-            weights = full_state(model, fsdp, cfg, changed)[0]
+            weights = full_state(model, fsdp, changed)
             if ro is not None:
                 ro.publish(weights, step)
             t_sync = time.perf_counter() - t_sync

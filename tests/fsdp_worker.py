@@ -76,7 +76,7 @@ def main(out, mode=""):
     grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
              for k, p in model.named_parameters() if p.grad is not None}
     weights = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for k, p in model.named_parameters()}
-    published = train.full_state(model, world > 1, cfg, changed=True)[0] if mode == "lora" else {}
+    published = train.full_state(model, world > 1, changed=True) if mode == "lora" else {}
     if rank == 0:
         torch.save({"grads": grads, "weights": weights, "published": published}, out)
     if world > 1:

@@ -53,7 +53,7 @@ def test_merged_weights_compute_what_the_adapters_do(tmp_path):
         for n, p in lora.named_parameters():
             if n.endswith("lora_B"):
                 p.normal_(0, 0.3)  # (a fresh B is 0: the test would pass with no merge at all)
-    merged, adapters = merge_lora(lora.state_dict(), 2.0)
+    merged, adapters = merge_lora(lora, lora.state_dict())
     assert len(adapters) == 2 * 7 * 2 and not any(".lora_" in k for k in merged)
     plain = Transformer(c)
     plain.load_state_dict(merged, strict=True)
