@@ -91,7 +91,6 @@ class Config:
     def __post_init__(self):
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
-        self.lora_scale = self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
         checks = [
             ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
             ("weight_sync", self.weight_sync in ("gloo", "nccl", "disk"), "must be gloo, nccl or disk"),

@@ -61,10 +61,9 @@ def full_state(model, fsdp, changed=False, merged=True):
     if changed:  # every rank joins each gather (full_tensor is a collective), in the same order
         sd = {f"{n}.{k}": (p.full_tensor() if fsdp else p).detach().cpu() for n, m in model.named_modules()
               if isinstance(m, LoRALinear) for k, p in m.named_parameters()}
-        sd = {} if fsdp and dist.get_rank() else sd
     else:
         sd = get_model_state_dict(model, options=FULL) if fsdp else {k: v.cpu() for k, v in model.state_dict().items()}
-    return merge_lora(model, sd)[0] if merged else sd
+    return {} if fsdp and dist.get_rank() else merge_lora(model, sd)[0] if merged else sd
 
 # ---- the policy ----
 
@@ -109,10 +108,9 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
     """The policy (or, frozen, a reference or teacher) from a Hugging Face directory. Under FSDP it is built on
     the meta device and sharded first; rank 0 reads the file and the others receive their shards, so no rank
     holds a second full copy. Parameters are float32 (the master weights); `dtype` is the compute dtype.
-    lora_rank > 0 (the policy): LoRA adapters on lora_targets, the only trainable parameters (FSDP shards them
-    with the frozen base, in the same units); `adapters` (rank 0): a resumed run's, else A random, B 0."""
+    LoRA (the policy): adapters on a frozen base, sharded with it; `adapters` (rank 0): a resumed run's, else fresh."""
     targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen else []  # none: add_lora changes nothing
-    adapt = lambda m: add_lora(m, cfg.lora_rank, cfg.lora_scale, targets)
+    adapt = lambda m: add_lora(m, cfg.lora_rank, cfg.lora_alpha / max(cfg.lora_rank, 1), targets)
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         with torch.device("meta"):
@@ -149,7 +147,6 @@ def collate(msgs, device):
         if not torch.equal(row[m], msg["engine_ids"]):
             raise AssertionError(f"episode {msg['index']}: trained token ids differ from the engine's sampled ids")
     return {k: (v.to(device) if v is not None else None) for k, v in b.items()} | {"index": [m["index"] for m in msgs]}
-
 
 # A rank with no episode in a micro-batch still runs it (FSDP's collectives pair up forward by forward, the
 # reference's too): on one row of two untrained tokens, which adds exactly nothing to loss and gradients.
@@ -435,10 +432,9 @@ def main(argv=None):
     if ckpt:
         same_architecture(ckpt, init)
     tokenizer_dir = ckpt or init  # the weights' own tokenizer
-    # LoRA: the base is the initial model's, frozen; a checkpoint's merged weights are for engines and transformers
-    resumed = cfg.lora_rank and ckpt and rank == 0
-    adapters = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)["adapters"] if resumed else None
-    model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir, adapters=adapters)
+    # LoRA: the initial model as the base, the checkpoint's adapters (its merged weights are for engines, transformers)
+    resumed = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if cfg.lora_rank and ckpt else {}
+    model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir, resumed.get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
@@ -446,8 +442,7 @@ def main(argv=None):
     state = load_trainer_state(ckpt, model, opt, fsdp)  # what the checkpoints carry on, counters included
     step, counters = state["step"], state["counters"]
     weights = full_state(model, fsdp)
-    # LoRA: publish only the adapted weights where the engine keeps the rest (disk: a server loads whole directories)
-    changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")
+    changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes
     ro = tokenizer = None
     if rank == 0:
         from transformers import AutoTokenizer
