@@ -73,6 +73,9 @@ class Config:
     kl_coef: float = 0.0  # weight of the KL-to-reference loss (0 = no reference model)
     kl_estimator: str = "k3"  # k1 | k2 | k3
     entropy_coef: float = 0.0  # entropy bonus
+    lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, the rest frozen; 0 = full fine-tuning
+    lora_alpha: float = 16.0  # LoRA: the adapters' update is scaled by lora_alpha / lora_rank
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # LoRA: linear layers' last names (MoE experts: refused)
     router_aux_coef: float = 0.0  # MoE load-balancing loss weight (Switch Transformer); keeps every expert in use
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -95,6 +98,7 @@ class Config:
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),
             ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
+            ("lora_rank", self.lora_rank >= 0, "must be >= 0"),
             *((key, getattr(self, key) >= 1, "must be >= 1") for key in
               ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns")),
             ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..{self.batch_size}"),

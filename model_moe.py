@@ -153,6 +153,39 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+class LoRALinear(nn.Module):
+    """LoRA (arXiv:2106.09685) on a frozen linear layer: y = x W^T + b + scale * (x A^T) B^T with A (r, in) random and
+    B (out, r) zero, so training starts at the base model. Keys: weight, bias (the base's), lora_A, lora_B."""
+    def __init__(self, base: nn.Linear, rank, scale):
+        super().__init__()
+        self.weight, self.bias, self.scale = base.weight, base.bias, scale
+        self.lora_A = nn.Parameter(base.weight.new_empty(rank, base.in_features).normal_(0, base.in_features ** -0.5))
+        self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, rank))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) + self.scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
+
+def add_lora(model, rank, scale, targets):
+    """Each linear layer whose last name is in targets -> LoRALinear. MoE experts (stacked weights) and lm_head
+    (tied to the embeddings in small models) are never targets; a target that names no layer is an error."""
+    for name, m in list(model.named_modules()):
+        parent, _, leaf = name.rpartition(".")
+        if type(m) is nn.Linear and leaf in targets and name != "lm_head":
+            setattr(model.get_submodule(parent), leaf, LoRALinear(m, rank, scale))
+    if missing := set(targets) - {n.rpartition(".")[2] for n, m in model.named_modules() if type(m) is LoRALinear}:
+        raise ValueError(f"config: lora_targets {sorted(missing)}: no such linear layer (MoE experts, lm_head: never)")
+    return model
+
+def merge_lora(model, sd):
+    """The model's state dict sd (whole, or its LoRA layers') -> (the merged one: W + scale * B @ A under the base
+    names, what engines and transformers load; the adapters alone). sd {}: ({}, {})."""
+    adapters = {k: v for k, v in sd.items() if ".lora_" in k}
+    merged = {k: v for k, v in sd.items() if k not in adapters}
+    for n, m in model.named_modules() if sd else ():
+        if isinstance(m, LoRALinear):
+            merged[f"{n}.weight"] = merged[f"{n}.weight"] + m.scale * adapters[f"{n}.lora_B"] @ adapters[f"{n}.lora_A"]
+    return merged, adapters
+
 class MoE(nn.Module):
     """Softmax router, top-k experts, SwiGLU experts stored stacked; tokens grouped per expert."""
     def __init__(self, c: ModelConfig):

@@ -34,7 +34,7 @@ import agent
 import config
 import estimators as est
 import rollout
-from model_moe import ModelConfig, Transformer, convert_gguf, save_pretrained
+from model_moe import LoRALinear, ModelConfig, Transformer, add_lora, convert_gguf, merge_lora, save_pretrained
 
 # ---- distributed: the same script runs under python and torchrun ----
 
@@ -55,9 +55,15 @@ def compute_init(cfg):
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
-def full_state(model, fsdp):
-    """The whole (unsharded) state dict on rank 0, on CPU; an empty dict on other ranks."""
-    return get_model_state_dict(model, options=FULL) if fsdp else {k: v.cpu() for k, v in model.state_dict().items()}
+def full_state(model, fsdp, changed=False, merged=True):
+    """The whole (unsharded) state dict on rank 0, on CPU, LoRA adapters merged in (model_moe.merge_lora) unless
+    merged=False; an empty dict on other ranks. changed: only the layers LoRA adapts (nothing else changes)."""
+    if changed:  # every rank joins each gather (full_tensor is a collective), in the same order
+        sd = {f"{n}.{k}": (p.full_tensor() if fsdp else p).detach().cpu() for n, m in model.named_modules()
+              if isinstance(m, LoRALinear) for k, p in m.named_parameters()}
+    else:
+        sd = get_model_state_dict(model, options=FULL) if fsdp else {k: v.cpu() for k, v in model.state_dict().items()}
+    return {} if fsdp and dist.get_rank() else merge_lora(model, sd)[0] if merged else sd
 
 # ---- the policy ----
 
@@ -98,25 +104,32 @@ def tiny_init(cfg, rank, fsdp):
         dist.barrier()
     return path
 
-def build_model(cfg, rank, device, fsdp, path, frozen=False):
+def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
     """The policy (or, frozen, a reference or teacher) from a Hugging Face directory. Under FSDP it is built on
     the meta device and sharded first; rank 0 reads the file and the others receive their shards, so no rank
-    holds a second full copy. Parameters are float32 (the master weights); `dtype` is the compute dtype."""
-    if not fsdp:
-        return Transformer.from_pretrained(path, device=device).requires_grad_(not frozen)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    with torch.device("meta"):
-        model = Transformer(ModelConfig.load(path))
-    # CPU (gloo): keep gathered weights from forward to backward: one all-gather fewer per block
-    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
-              reshard_after_forward=device.type == "cuda")
-    for block in model.model.layers:  # one unit per block; the root holds embeddings, final norm and lm_head
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    model.to_empty(device=device)
-    full = Transformer.from_pretrained(path).state_dict() if rank == 0 else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    return model.requires_grad_(not frozen)
+    holds a second full copy. Parameters are float32 (the master weights); `dtype` is the compute dtype.
+    LoRA (the policy): adapters on a frozen base, sharded with it; `adapters` (rank 0): a resumed run's, else fresh."""
+    targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen else []  # none: add_lora changes nothing
+    adapt = lambda m: add_lora(m, cfg.lora_rank, cfg.lora_alpha / max(cfg.lora_rank, 1), targets)
+    if fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        with torch.device("meta"):
+            model = adapt(Transformer(ModelConfig.load(path)))
+        # CPU (gloo): keep gathered weights from forward to backward: one all-gather fewer per block
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
+                  reshard_after_forward=device.type == "cuda")
+        for block in model.model.layers:  # one unit per block; the root holds embeddings, final norm and lm_head
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        model.to_empty(device=device)
+        full = adapt(Transformer.from_pretrained(path)).state_dict() | (adapters or {}) if rank == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        model = adapt(Transformer.from_pretrained(path, device=device))
+        model.load_state_dict(adapters or {}, strict=False)
+    for name, p in model.named_parameters():  # LoRA: the base frozen (no gradient, no optimizer state)
+        p.requires_grad_(not frozen and (not targets or ".lora_" in name))
+    return model
 
 # ---- batches: episodes -> padded tensors ----
 
@@ -134,7 +147,6 @@ def collate(msgs, device):
         if not torch.equal(row[m], msg["engine_ids"]):
             raise AssertionError(f"episode {msg['index']}: trained token ids differ from the engine's sampled ids")
     return {k: (v.to(device) if v is not None else None) for k, v in b.items()} | {"index": [m["index"] for m in msgs]}
-
 
 # A rank with no episode in a micro-batch still runs it (FSDP's collectives pair up forward by forward, the
 # reference's too): on one row of two untrained tokens, which adds exactly nothing to loss and gradients.
@@ -299,7 +311,7 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
 # ---- checkpoints: a Hugging Face directory + trainer state, written atomically ----
 
 def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
-    full = full_state(model, fsdp)
+    full, state["adapters"] = merge_lora(model, full_state(model, fsdp, merged=False))  # (state: this save's copy)
     osd = get_optimizer_state_dict(model, opt, options=FULL) if fsdp else opt.state_dict()
     if rank == 0:
         final, tmp = os.path.join(cfg.out_dir, "ckpt"), os.path.join(cfg.out_dir, f"ckpt.tmp-{state['step']}")
@@ -420,13 +432,17 @@ def main(argv=None):
     if ckpt:
         same_architecture(ckpt, init)
     tokenizer_dir = ckpt or init  # the weights' own tokenizer
-    model = build_model(cfg, rank, device, fsdp, tokenizer_dir)
+    # LoRA: the initial model as the base, the checkpoint's adapters (its merged weights are for engines, transformers)
+    resumed = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if cfg.lora_rank and ckpt else {}
+    model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir, resumed.get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     state = load_trainer_state(ckpt, model, opt, fsdp)  # what the checkpoints carry on, counters included
     step, counters = state["step"], state["counters"]
     weights = full_state(model, fsdp)
+    changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes
     ro = tokenizer = None
     if rank == 0:
         from transformers import AutoTokenizer
@@ -481,7 +497,7 @@ def main(argv=None):
             step += 1
             # ---- 5. publish weights as version `step`; log; checkpoint ----
             t_sync = time.perf_counter()
-            weights = full_state(model, fsdp)
+            weights = full_state(model, fsdp, changed)
             if ro is not None:
                 ro.publish(weights, step)
             t_sync = time.perf_counter() - t_sync

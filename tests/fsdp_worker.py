@@ -35,10 +35,13 @@ def make_msgs(model, n, seed):
 
 def main(out, mode=""):
     """mode: "vision" (images on one rank only), "kl" (a reference model: ranks with an empty micro-batch must
-    still run its forward), "mini" (two updates per batch: the mini-batches are the same on 1 and 2 ranks)."""
+    still run its forward), "mini" (two updates per batch: the mini-batches are the same on 1 and 2 ranks), "lora"
+    (LoRA adapters through train.build_model: frozen base and adapters sharded together; also saves what a publish
+    of the changed weights sends)."""
     vision = mode == "vision"
     cfg = config.load(["--micro_batch_tokens=24", "--grad_clip=0.5", "--max_staleness=0"] +
-                      {"kl": ["--kl_coef=0.05"], "mini": ["--mini_batches=2", "--policy_loss=cispo"]}.get(mode, []))
+                      {"kl": ["--kl_coef=0.05"], "mini": ["--mini_batches=2", "--policy_loss=cispo"],
+                       "lora": ["--lora_rank=4", "--lora_alpha=8"]}.get(mode, []))
     rank, world, device, _ = train.compute_init(cfg)
     c = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -46,7 +49,18 @@ def main(out, mode=""):
     model = Transformer(c).init_weights(0, std=0.2)
     ref = Transformer(c).init_weights(1, std=0.2).requires_grad_(False) if mode == "kl" else None
     msgs = make_msgs(model, 7, 1)
-    if world > 1:
+    if mode == "lora":  # the base saved once; adapters given (B nonzero: A gets gradients too), as on a resume
+        base = out + ".base"
+        if rank == 0:
+            model.save_pretrained(base)
+            g = torch.Generator().manual_seed(2)
+            adapters = {f"{n}.lora_{ab}": torch.randn(*shape, generator=g) * 0.3 for n, m in model.named_modules()
+                        if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
+                        for ab, shape in (("A", (4, m.in_features)), ("B", (m.out_features, 4)))}
+        if world > 1:
+            dist.barrier()
+        model = train.build_model(cfg, rank, device, world > 1, base, adapters=adapters if rank == 0 else None)
+    elif world > 1:
         from torch.distributed.fsdp import fully_shard
         for m in [model] + ([ref] if ref is not None else []):
             for block in m.model.layers:
@@ -54,16 +68,17 @@ def main(out, mode=""):
             fully_shard(m)
     # SGD: the update is linear in the gradient, so equal gradients must give equal weights (Adam's first
     # step, g / (|g| + eps), would turn 1e-9 rounding differences of near-zero gradients into lr-sized ones)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     import estimators
     adv = estimators.grpo(rewards=torch.tensor([m["reward"] for m in msgs]), group_ids=torch.tensor([m["group"] for m in msgs]))
     share = train.make_shares(msgs, adv.tolist(), world, cfg)[rank]
     train.train_step(model, opt, share, cfg, 0, world, ref)
     grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-             for k, p in model.named_parameters()}
+             for k, p in model.named_parameters() if p.grad is not None}
     weights = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for k, p in model.named_parameters()}
+    published = train.full_state(model, world > 1, changed=True) if mode == "lora" else {}
     if rank == 0:
-        torch.save({"grads": grads, "weights": weights}, out)
+        torch.save({"grads": grads, "weights": weights, "published": published}, out)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
