@@ -434,7 +434,8 @@ def main(argv=None):
     tokenizer_dir = ckpt or init  # the weights' own tokenizer
     # LoRA: the initial model as the base, the checkpoint's adapters (its merged weights are for engines, transformers)
     resumed = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if cfg.lora_rank and ckpt else {}
-    model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir, resumed.get("adapters"))
+    model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir,
+                        adapters=resumed.get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
