@@ -1,18 +1,16 @@
-"""bench.py: the numbers README's "Performance" section quotes, each as measured, baseline and ratio.
-    python bench.py [engine|overlap|parity|fixed|trl|trainer|moe|all] [--quick] [--threads N] [--model=DIR|GGUF]
-trainer, moe: CPU 0, one thread; the others all cores (scale, memory, flops: commit 8482101; publish: d207298).
-On a shared machine run one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py overlap"""
+"""python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each
+as measured, baseline and ratio. trainer, moe: CPU 0, one thread; the others all cores (scale, memory, flops: commit
+8482101; publish: d207298). On a shared machine one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py X"""
 import argparse
 import asyncio
 import collections
-import copy
 import itertools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
+import timeit
 from statistics import mean, median as med, stdev, variance
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning waiters fight for cores (~10x slower)
@@ -38,9 +36,7 @@ def timed(fns, n, best=False):
     ts = {k: [] for k in fns}
     for _ in range(n + 1):  # the first round warms up (lazy init) and is dropped
         for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            ts[k].append(time.perf_counter() - t0)
+            ts[k].append(timeit.timeit(f, number=1))
     return {k: (min if best else med)(v[1:]) for k, v in ts.items()}
 
 def peak_mb(pid="self"):
@@ -49,38 +45,34 @@ def peak_mb(pid="self"):
 
 def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
     """cwd's train.py (or cmd, which writes metrics.jsonl as train.py does; under torchrun with ranks) + overrides
-    in a temporary out_dir -> (metrics, wall s)."""
+    in a temporary out_dir -> its metrics."""
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] * (ranks > 1)
     with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
         p = subprocess.run([cmd[0], *launch, *cmd[1:], *GUESS, f"--out_dir={d}", *overrides], cwd=cwd,
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"{cmd[-1]} {overrides} failed ({p.returncode}):\n{p.stderr[-3000:]}")
         with open(os.path.join(d, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f], time.perf_counter() - t0
+            return [json.loads(line) for line in f]
 
-def bench_overlap():
-    """The baseline of async is the same run at max_staleness=0 (synchronous RL), interleaved with it."""
-    steps, warm, repeats = (14, 4, 1) if args.quick else (40, 10, 3)
-    runs = [run_train([f"--max_steps={steps}", f"--max_staleness={s}"])[0][warm:] for _ in range(repeats) for s in "01"]
-    sync, asyn = sum(runs[0::2], []), sum(runs[1::2], [])  # interleaved, then pooled: steps after warm-up
+def bench_parity():
+    """The baseline of async RL (max_staleness=1) is sync RL (0), in interleaved runs over seeds: steps/s against the
+    ideal overlap of generation and training; final rewards, compared by Welch's t-test."""
+    steps, warm, last, seeds = (20, 4, 5, 2) if args.quick else (100, 10, 25, 5)
+    pairs = [[run_train([f"--max_steps={steps}", f"--max_staleness={s}", f"--seed={i}"]) for s in (1, 0)]
+             for i in range(seeds)]  # per seed: the async run's metrics, the sync run's
+    asyn, sync = ([m for p in pairs for m in p[j][warm:]] for j in (0, 1))  # pooled: steps after warm-up
     # sync: batch v+1 starts once weights v+1 are out, so the trainer's wait is a batch's generation time
     gen, trn = med(m["time/wait_rollout"] for m in sync), med(m["time/step"] - m["time/wait_rollout"] for m in sync)
     sps, aps = (len(ms) / sum(m["time/step"] for m in ms) for ms in (sync, asyn))
     rows = [("generation of a batch (sync) / train step, s", gen, trn, ""),
             ("steps/s: async (max_staleness=1) / sync (0)", aps, sps, ""),
             ("async speed-up: achieved / ideal (gen+train)/max", aps / sps, (gen + trn) / max(gen, trn), ">= 0.90")]
-    table(f"async overlap: steps {warm + 1}..{steps} of {repeats} interleaved sync/async pairs, medians",
+    table(f"async overlap: steps {warm + 1}..{steps} of {seeds} interleaved async/sync pairs, medians",
           ["measure", "measured", "baseline", "ratio", "target"],
           [(what, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}", target) for what, a, b, target in rows])
-
-def bench_parity():
-    """The baseline of async learning is sync learning: final rewards over seeds, compared by Welch's t-test."""
-    steps, last, seeds = (20, 5, 2) if args.quick else (100, 25, 5)
-    outs = [[run_train([f"--max_steps={steps}", f"--max_staleness={s}", f"--seed={seed}"]) for s in (1, 0)]
-            for seed in range(seeds)]  # per seed: (async final reward, sync final reward, async wall, sync wall)
-    runs = [[mean(m["reward/mean"] for m in ms[-last:]) for ms, _ in out] + [w for _, w in out] for out in outs]
+    runs = [[mean(m["reward/mean"] for m in ms[-last:]) for ms in p] + [sum(m["time/step"] for m in ms) for ms in p]
+            for p in pairs]  # per seed: async, sync final reward; async, sync wall (the loops', start-up excluded)
     fa, fs = list(zip(*runs))[:2]
     va, vb = variance(fa) / seeds + 1e-12, variance(fs) / seeds + 1e-12  # squared standard errors, never 0
     t = (mean(fa) - mean(fs)) / (va + vb) ** 0.5
@@ -95,8 +87,7 @@ def bench_parity():
           "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall", "ratio"], rows)
 
 def bench_fixed():
-    """A step's parts (metrics.jsonl medians after warm-up) at the default and the arith setting, one process and
-    two ranks; the baseline is the same at commit --before (its tree by git archive; it has no time/handout)."""
+    """A step's parts (metrics.jsonl medians after warm-up); the baseline: commit --before's train.py (git archive)."""
     steps, warm = (6, 2) if args.quick else (100, 20)
     keys, rows = ("step", "train", "weight_sync", "handout", "wait_rollout", "other"), []
     with tempfile.TemporaryDirectory() as old:
@@ -104,7 +95,7 @@ def bench_fixed():
         for (name, over), ranks, (commit, cwd) in itertools.product(
                 [("default", []), ("arith", ARITH)], (1, 2), [("now", "."), (args.before, old)]):
             ms = [m | {"time/other": 2 * m["time/step"] - sum(v for k, v in m.items() if k[:5] == "time/")}
-                  for m in run_train([f"--max_steps={steps}", *over], ranks, cwd)[0][warm:]]  # the step less its parts
+                  for m in run_train([f"--max_steps={steps}", *over], ranks, cwd)[warm:]]  # the step less its parts
             t = {k: med(m[f"time/{k}"] for m in ms) for k in keys if f"time/{k}" in ms[0]}
             rows.append((name, ranks, commit, *(f"{t[k] * 1e3:.1f} ms" if k in t else "-" for k in keys),
                          f"{t['weight_sync'] / t['step']:.1%}", f"{len(ms) / sum(m['time/step'] for m in ms):.2f}"))
@@ -118,7 +109,7 @@ def bench_trl():
     with tempfile.TemporaryDirectory() as d:
         job = [*ARITH, f"--model={train.tiny_init(config.load([*GUESS, f'--out_dir={d}']), 0, False)}",
                f"--max_steps={steps}"]
-        runs = {"TRL": run_train(job, cmd=(args.trl_python, "tests/trl_arith.py"))[0], "nanomolt": run_train(job)[0]}
+        runs = {"TRL": run_train(job, cmd=(args.trl_python, "tests/trl_arith.py")), "nanomolt": run_train(job)}
     rate = {k: (len(ms) - warm) / sum(m["time/step"] for m in ms[warm:]) for k, ms in runs.items()}
     table(f"nanomolt train.py vs TRL {runs['TRL'][0]['trl_version']} GRPOTrainer: {' '.join(ARITH)}, 8 x 8 episodes a "
           f"step, {steps} steps, rates after step {warm}", ["", "steps/s", "episodes/s", "ratio to TRL", "reward, last "
@@ -128,17 +119,16 @@ def bench_trl():
 def bench_trainer():
     """The baseline is the loop one writes first: on ready-made padded tensors, a policy-gradient step, no publish.
     The batch: one the default recipe's rollout sampled (--model: the SmolLM2 recipe's, 2 x 8 episodes)."""
-    d = tempfile.mkdtemp()  # lives as long as this process: write_weights and the rollout's files use it
-    cfg = config.load([*GUESS, f"--out_dir={d}", *(["--config", "configs/smollm2_cpu.py", f"--model={args.model}",
-                                                    "--prompts_per_step=2"] if args.model else [])])
+    real = ["--config", "configs/smollm2_cpu.py", f"--model={args.model}", "--prompts_per_step=2"] * bool(args.model)
+    cfg = config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}", *real])  # the out_dir lives as long as we do
     init = train.tiny_init(cfg, 0, False) if cfg.model == "tiny" else cfg.model
-    model = train.build_model(cfg, 0, torch.device("cpu"), False, init)
+    model, plain_model = (train.build_model(cfg, 0, torch.device("cpu"), False, init) for _ in "12")
     ro = rollout.start_rollout(cfg, model.config, train.full_state(model, False), 0, 0, init)
     msgs, rollout_mb = train.take_batch(cfg, ro, 0, collections.Counter())[0], peak_mb(ro.proc.pid)
     ro.close()  # else it samples on, on our core; a lock it held when killed stays held: a new one
     ro = rollout.Rollout(None, None, ro.shared, ro.version, torch.multiprocessing.Lock(), None)
     adv = torch.randn(len(msgs))  # the time of a step is the same for any advantages (nothing is skipped at 0)
-    share, plain_model = train.make_shares(msgs, adv.tolist(), 1, cfg)[0], copy.deepcopy(model)
+    share = train.make_shares(msgs, adv.tolist(), 1, cfg)[0]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=cfg.lr)
     b = train.collate(msgs, "cpu")
@@ -151,9 +141,9 @@ def bench_trainer():
         plain_opt.step()
     t = timed({"full": lambda: (train.train_step(model, opt, share, cfg, 0, 1), ro.publish(train.full_state(
         model, False), 1)), "plain": plain}, 3 if args.quick else 10)
-    table(f"trainer overhead, {args.model or 'tiny MoE'}: {len(ids)} episodes, {tokens} tokens, the plain loop pads "
-          f"to {tuple(ids.shape)}; peak RSS: this process (trainer, plain loop) {peak_mb():,.0f} MB, rollout "
-          f"process {rollout_mb:,.0f} MB", ["measure", "measured", "plain loop (baseline)", "ratio", "target"],
+    table(f"trainer overhead, {os.path.basename(args.model) or 'tiny MoE'}: {len(ids)} episodes, {tokens} tokens "
+          f"(plain loop: padded to {tuple(ids.shape)}); peak RSS {peak_mb():,.0f} MB here (trainer, plain loop), "
+          f"rollout process {rollout_mb:,.0f} MB", ["measure", "measured", "plain loop (baseline)", "ratio", "target"],
           [("train_step + publish, tok/s", f"{tokens / t['full']:,.0f}", f"{tokens / t['plain']:,.0f}",
             f"{t['plain'] / t['full']:.2f}", ">= 0.90")])
 
@@ -169,7 +159,7 @@ def bench_moe():
                    for j in range(m.w_gate.shape[0]))
     for H in (128, 512):
         moe, dense = MoE(ModelConfig(hidden_size=H, num_experts=8, moe_intermediate_size=H)), MLP(H, 2 * H)
-        for p in moe.parameters():
+        for p in moe.parameters():  # experts are made with torch.empty
             torch.nn.init.normal_(p, std=0.02)
         x = torch.randn(64 * 64, H, requires_grad=True)  # 64 episodes of 64 tokens
         t = timed({"grouped": lambda: moe(x)[0].sum().backward(), "naive": lambda: naive(moe, x).sum().backward(),
@@ -203,7 +193,6 @@ def bench_engine():
 
     def generate(ps):  # -1 marks padding; min_new_tokens pins the length (there is no eos anyway)
         ids = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True, padding_value=-1, padding_side="left")
-        torch.manual_seed(0)
         out = hf.generate(ids.clamp(min=0), attention_mask=(ids >= 0).long(), do_sample=True, max_new_tokens=new,
                           min_new_tokens=new, top_k=0, top_p=1.0, pad_token_id=0)
         assert out.shape[1] == ids.shape[1] + new
@@ -213,13 +202,12 @@ def bench_engine():
         step_bytes = weights + kv * sum(len(p) + new / 2 for p in prompts[:n])  # the mean decode step's reads
         rows.append((n, f"{n * new / t['engine']:,.0f}", f"{n * new / t['hf']:,.0f}", f"{t['hf'] / t['engine']:.2f}x",
                      f"{n * bw / step_bytes:,.0f}", f"{n * new / t['engine'] / (n * bw / step_bytes):.0%}"))
-    table(f"{args.model or 'tiny MoE, 8 experts top-2'}: {weights / 4e6:.2f}M params, random prompts of 16..32 "
-          f"tokens, {new} new tokens/row at temperature 1, median of {repeats}, {torch.get_num_threads()} threads, "
-          f"copy {bw / 1e9:.1f} GB/s, peak RSS {peak_mb():,.0f} MB (engine and HF model)", ["requests at once",
-          "engine tok/s (measured)", "HF generate tok/s (baseline)", "ratio", "memory bound tok/s", "engine / bound"],
-          rows)
+    table(f"{os.path.basename(args.model) or 'tiny MoE, 8 experts top-2'}, {weights / 4e6:.2f}M params: random prompts "
+          f"of 16..32 tokens, {new} new each at temperature 1, median of {repeats}, {torch.get_num_threads()} threads; "
+          f"copy {bw / 1e9:.1f} GB/s; peak RSS {peak_mb():,.0f} MB (both models)", ["requests at once", "engine tok/s "
+          "(measured)", "HF generate tok/s (baseline)", "ratio", "memory bound tok/s", "engine / bound"], rows)
 
-BENCHES = {"engine": bench_engine, "overlap": bench_overlap, "parity": bench_parity, "fixed": bench_fixed,
+BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed,
            "trl": bench_trl, "trainer": bench_trainer, "moe": bench_moe}
 if __name__ == "__main__":  # not in the rollout process that bench_trainer spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
