@@ -33,19 +33,14 @@ def table(title, header, rows):
 
 def timed(fns, n, best=False):
     """{name: call} -> {name: wall s}, the median (best: minimum) of n interleaved rounds."""
-    ts = {k: [] for k in fns}
-    for _ in range(n + 1):  # the first round warms up (lazy init) and is dropped
-        for k, f in fns.items():
-            ts[k].append(timeit.timeit(f, number=1))
-    return {k: (min if best else med)(v[1:]) for k, v in ts.items()}
+    rounds = [{k: timeit.timeit(f, number=1) for k, f in fns.items()} for _ in range(n + 1)]
+    return {k: (min if best else med)(r[k] for r in rounds[1:]) for k in fns}  # round 0 warms up (lazy init)
 
-def peak_mb(pid="self"):
-    with open(f"/proc/{pid}/status") as f:  # VmHWM: the peak resident set of a live process
-        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 1024
+def peak_mb(pid="self"):  # VmHWM: the peak resident set of a live process
+    return int(open(f"/proc/{pid}/status").read().split("VmHWM:")[1].split()[0]) / 1024
 
 def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
-    """cwd's train.py (or cmd, which writes metrics.jsonl as train.py does; under torchrun with ranks) + overrides
-    in a temporary out_dir -> its metrics."""
+    """cwd's train.py (or cmd, writing metrics.jsonl as train.py does) + overrides in a temporary out_dir -> them."""
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] * (ranks > 1)
     with tempfile.TemporaryDirectory() as d:
         p = subprocess.run([cmd[0], *launch, *cmd[1:], *GUESS, f"--out_dir={d}", *overrides], cwd=cwd,
@@ -65,9 +60,8 @@ def bench_parity():
     # sync: batch v+1 starts once weights v+1 are out, so the trainer's wait is a batch's generation time
     gen, trn = med(m["time/wait_rollout"] for m in sync), med(m["time/step"] - m["time/wait_rollout"] for m in sync)
     sps, aps = (len(ms) / sum(m["time/step"] for m in ms) for ms in (sync, asyn))
-    rows = [("generation of a batch (sync) / train step, s", gen, trn, ""),
-            ("steps/s: async (max_staleness=1) / sync (0)", aps, sps, ""),
-            ("async speed-up: achieved / ideal (gen+train)/max", aps / sps, (gen + trn) / max(gen, trn), ">= 0.90")]
+    rows = [("steps/s: async (max_staleness=1) / sync (0)", aps, sps, ""), (f"async speed-up: achieved / ideal, (gen "
+             f"{gen:.3f} s + train {trn:.3f} s) / max", aps / sps, (gen + trn) / max(gen, trn), ">= 0.90")]
     table(f"async overlap: steps {warm + 1}..{steps} of {seeds} interleaved async/sync pairs, medians",
           ["measure", "measured", "baseline", "ratio", "target"],
           [(what, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}", target) for what, a, b, target in rows])
@@ -106,10 +100,9 @@ def bench_trl():
     """The baseline is TRL's GRPOTrainer (tests/trl_arith.py, under --trl_python) on the same initial weights, prompt
     ids, batch, sampling and lr as train.py at the arith setting; one process each, the same number of steps."""
     steps, warm = (4, 1) if args.quick else (300, 20)
-    with tempfile.TemporaryDirectory() as d:
-        job = [*ARITH, f"--model={train.tiny_init(config.load([*GUESS, f'--out_dir={d}']), 0, False)}",
-               f"--max_steps={steps}"]
-        runs = {"TRL": run_train(job, cmd=(args.trl_python, "tests/trl_arith.py")), "nanomolt": run_train(job)}
+    init = train.tiny_init(config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}"]), 0, False)  # train.py's own
+    job = [*ARITH, f"--model={init}", f"--max_steps={steps}"]
+    runs = {"TRL": run_train(job, cmd=(args.trl_python, "tests/trl_arith.py")), "nanomolt": run_train(job)}
     rate = {k: (len(ms) - warm) / sum(m["time/step"] for m in ms[warm:]) for k, ms in runs.items()}
     table(f"nanomolt train.py vs TRL {runs['TRL'][0]['trl_version']} GRPOTrainer: {' '.join(ARITH)}, 8 x 8 episodes a "
           f"step, {steps} steps, rates after step {warm}", ["", "steps/s", "episodes/s", "ratio to TRL", "reward, last "
@@ -140,7 +133,7 @@ def bench_trainer():
         (-(logp * A * mask).sum() / mask.sum()).backward()
         plain_opt.step()
     t = timed({"full": lambda: (train.train_step(model, opt, share, cfg, 0, 1), ro.publish(train.full_state(
-        model, False), 1)), "plain": plain}, 3 if args.quick else 10)
+        model, False), 1)), "plain": plain}, 3 if args.quick or args.model else 10)
     table(f"trainer overhead, {os.path.basename(args.model) or 'tiny MoE'}: {len(ids)} episodes, {tokens} tokens "
           f"(plain loop: padded to {tuple(ids.shape)}); peak RSS {peak_mb():,.0f} MB here (trainer, plain loop), "
           f"rollout process {rollout_mb:,.0f} MB", ["measure", "measured", "plain loop (baseline)", "ratio", "target"],
