@@ -93,8 +93,8 @@ def bench_fixed():
             t = {k: med(m[f"time/{k}"] for m in ms) for k in keys if f"time/{k}" in ms[0]}
             rows.append((name, ranks, commit, *(f"{t[k] * 1e3:.1f} ms" if k in t else "-" for k in keys),
                          f"{t['weight_sync'] / t['step']:.1%}", f"{len(ms) / sum(m['time/step'] for m in ms):.2f}"))
-    table(f"fixed costs of a step: medians of steps {warm + 1}..{steps}; arith = {' '.join(ARITH)}",
-          ["setting", "ranks", "commit", *keys, "weight_sync share", "steps/s"], rows)
+    table(f"a step's parts, medians of steps {warm + 1}..{steps} ({args.before} logs no handout: in other); arith "
+          f"= {' '.join(ARITH)}", ["setting", "ranks", "commit", *keys, "weight_sync share", "steps/s"], rows)
 
 def bench_trl():
     """The baseline is TRL's GRPOTrainer (tests/trl_arith.py, under --trl_python) on the same initial weights, prompt
