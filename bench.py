@@ -1,18 +1,16 @@
-"""bench.py: the numbers README's "Performance" section quotes, each as measured, baseline and ratio.
-    python bench.py [engine|overlap|parity|trainer|moe|publish|all] [--quick] [--threads N]
-engine, overlap, parity on all cores; the others on CPU 0, one thread. (scale, memory, flops: commit 8482101.)
-On a shared machine run one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py overlap"""
+"""python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each
+as measured, baseline and ratio. trainer, moe: CPU 0, one thread; the others all cores (scale, memory, flops: commit
+8482101; publish: d207298). On a shared machine one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py X"""
 import argparse
 import asyncio
 import collections
-import copy
-import functools
+import itertools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
+import timeit
 from statistics import mean, median as med, stdev, variance
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning waiters fight for cores (~10x slower)
@@ -24,12 +22,12 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import agent  # noqa: E402
 import config  # noqa: E402
 import endpoint  # noqa: E402
-import estimators as est  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
-from model_moe import MLP, ModelConfig, MoE, Transformer  # noqa: E402
+from model_moe import MLP, ModelConfig, MoE, Transformer, convert_gguf  # noqa: E402
 
 GUESS = ["--config", "configs/guess.py", "--dump_every=0", "--ckpt_every=0"]  # the default recipe, no mid-run dumps
+ARITH = ["--task=arith", "--max_turns=1", "--max_new_tokens=4", "--temperature=1"]  # issue 22's: 8 x 8, tiny MoE
 
 def table(title, header, rows):
     lines = [header, ["---"] + ["---:"] * (len(header) - 1), *rows]
@@ -37,48 +35,40 @@ def table(title, header, rows):
 
 def timed(fns, n, best=False):
     """{name: call} -> {name: wall s}, the median (best: minimum) of n interleaved rounds."""
-    ts = {k: [] for k in fns}
-    for _ in range(n + 1):  # the first round warms up (lazy init) and is dropped
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            ts[k].append(time.perf_counter() - t0)
-    return {k: (min if best else med)(v[1:]) for k, v in ts.items()}
+    rounds = [{k: timeit.timeit(f, number=1) for k, f in fns.items()} for _ in range(n + 1)]
+    return {k: (min if best else med)(r[k] for r in rounds[1:]) for k in fns}  # round 0 warms up (lazy init)
 
-def run_train(overrides):
-    """train.py + overrides in a temporary out_dir (one thread each for trainer and rollout) -> (metrics, wall s)."""
+def peak_mb(pid="self"):  # VmHWM: the peak resident set of a live process
+    return int(open(f"/proc/{pid}/status").read().split("VmHWM:")[1].split()[0]) / 1024
+
+def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
+    """cwd's train.py (or cmd, writing metrics.jsonl as train.py does) + overrides in a temporary out_dir -> them."""
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] * (ranks > 1)
     with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "train.py", *GUESS, f"--out_dir={d}", *overrides], capture_output=True)
+        p = subprocess.run([cmd[0], *launch, *cmd[1:], *GUESS, f"--out_dir={d}", *overrides], cwd=cwd,
+                           capture_output=True, text=True)
         if p.returncode != 0:
-            raise RuntimeError(f"train.py {overrides} failed ({p.returncode}):\n{p.stderr[-3000:].decode()}")
+            raise RuntimeError(f"{cmd[-1]} {overrides} failed ({p.returncode}):\n{p.stderr[-3000:]}")
         with open(os.path.join(d, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f], time.perf_counter() - t0
+            return [json.loads(line) for line in f]
 
-def bench_overlap():
-    """The baseline of async is the same run at max_staleness=0 (synchronous RL), interleaved with it."""
-    steps, warm, repeats = (14, 4, 1) if args.quick else (40, 10, 3)
-    runs = [run_train([f"--max_steps={steps}", f"--max_staleness={s}"])[0][warm:] for _ in range(repeats) for s in "01"]
-    sync, asyn = sum(runs[0::2], []), sum(runs[1::2], [])  # interleaved, then pooled: steps after warm-up
+def bench_parity():
+    """The baseline of async RL (max_staleness=1) is sync RL (0), in interleaved runs over seeds: steps/s against the
+    ideal overlap of generation and training; final rewards, compared by Welch's t-test."""
+    steps, warm, last, seeds = (20, 4, 5, 2) if args.quick else (100, 10, 25, 5)
+    pairs = [[run_train([f"--max_steps={steps}", f"--max_staleness={s}", f"--seed={i}"]) for s in (1, 0)]
+             for i in range(seeds)]  # per seed: the async run's metrics, the sync run's
+    asyn, sync = ([m for p in pairs for m in p[j][warm:]] for j in (0, 1))  # pooled: steps after warm-up
     # sync: batch v+1 starts once weights v+1 are out, so the trainer's wait is a batch's generation time
     gen, trn = med(m["time/wait_rollout"] for m in sync), med(m["time/step"] - m["time/wait_rollout"] for m in sync)
     sps, aps = (len(ms) / sum(m["time/step"] for m in ms) for ms in (sync, asyn))
-    rows = [("generation of a batch (sync) / train step, s", gen, trn, ""),
-            ("steps/s: async (max_staleness=1) / sync (0)", aps, sps, ""),
-            ("async speed-up: achieved / ideal (gen+train)/max", aps / sps, (gen + trn) / max(gen, trn), ">= 0.90"),
-            ("async: trainer wait / train time per step, s", med(m["time/wait_rollout"] for m in asyn),
-             med(m["time/train"] for m in asyn), "")]
-    table(f"async overlap: steps {warm + 1}..{steps} of {repeats} interleaved sync/async pairs, medians",
+    rows = [("steps/s: async (max_staleness=1) / sync (0)", aps, sps, ""), (f"async speed-up: achieved / ideal, (gen "
+             f"{gen:.3f} s + train {trn:.3f} s) / max", aps / sps, (gen + trn) / max(gen, trn), ">= 0.90")]
+    table(f"async overlap: steps {warm + 1}..{steps} of {seeds} interleaved async/sync pairs, medians",
           ["measure", "measured", "baseline", "ratio", "target"],
           [(what, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}", target) for what, a, b, target in rows])
-
-def bench_parity():
-    """The baseline of async learning is sync learning: final rewards over seeds, compared by Welch's t-test."""
-    steps, last, seeds = (20, 5, 2) if args.quick else (100, 25, 5)
-    runs = []  # per seed: (async final reward, sync final reward, async wall, sync wall)
-    for seed in range(seeds):
-        out = [run_train([f"--max_steps={steps}", f"--max_staleness={s}", f"--seed={seed}"]) for s in (1, 0)]
-        runs.append([mean(m["reward/mean"] for m in ms[-last:]) for ms, _ in out] + [w for _, w in out])
+    runs = [[mean(m["reward/mean"] for m in ms[-last:]) for ms in p] + [sum(m["time/step"] for m in ms) for ms in p]
+            for p in pairs]  # per seed: async, sync final reward; async, sync wall (the loops', start-up excluded)
     fa, fs = list(zip(*runs))[:2]
     va, vb = variance(fa) / seeds + 1e-12, variance(fs) / seeds + 1e-12  # squared standard errors, never 0
     t = (mean(fa) - mean(fs)) / (va + vb) ** 0.5
@@ -92,46 +82,65 @@ def bench_parity():
     table(f"learning parity: --max_steps={steps}, final reward = mean of the last {last} steps", ["seed",
           "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall", "ratio"], rows)
 
-@functools.cache
-def setup(width=128):
-    """The default recipe at tiny_hidden=width, a batch its rollout sampled -> {cfg, model, msgs, adv, share, calls}."""
-    d = tempfile.mkdtemp()  # lives as long as this process: the cached setup uses it
-    cfg = config.load([*GUESS, f"--out_dir={d}", f"--tiny_hidden={width}"])
-    init = train.tiny_init(cfg, 0, False)
-    model = train.build_model(cfg, 0, torch.device("cpu"), False, init)
-    ro = rollout.start_rollout(cfg, model.config, train.full_state(model, False), 0, 0, init)
-    msgs = train.take_batch(cfg, ro, 0, collections.Counter())[0]
-    ro.close()  # else it samples on, on our core; a lock it held when killed stays held: a new one
-    ro = rollout.Rollout(None, None, ro.shared, ro.version, torch.multiprocessing.Lock(), None)
-    msgs = msgs if width == 128 else [dict(m, routing=None) for m in msgs]  # wider: random experts, routed freely
-    adv = est.ADVANTAGES[cfg.advantage](rewards=torch.tensor([m["reward"] for m in msgs]),
-                                        group_ids=torch.tensor([m["group"] for m in msgs]))
-    adv = adv if adv.abs().sum() else torch.randn(len(msgs))  # equal rewards: a gradient anyway (time is measured)
-    share = train.make_shares(msgs, adv.tolist(), 1, cfg)[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-    return dict(cfg=cfg, model=model, msgs=msgs, adv=adv, share=share,
-                step=lambda: train.train_step(model, opt, share, cfg, 0, 1),
-                publish=lambda: ro.publish(train.full_state(model, False), 1),
-                disk=lambda: rollout.write_weights(d, model.config, init, 1, train.full_state(model, False)))
+def bench_fixed():
+    """A step's parts (metrics.jsonl medians after warm-up); the baseline: commit --before's train.py (git archive)."""
+    steps, warm = (6, 2) if args.quick else (100, 20)
+    keys, rows = ("step", "train", "weight_sync", "handout", "wait_rollout", "other"), []
+    with tempfile.TemporaryDirectory() as old:
+        subprocess.run(f"git archive {args.before} | tar -x -C {old}", shell=True, check=True)
+        for (name, over), ranks, (commit, cwd) in itertools.product(
+                [("default", []), ("arith", ARITH)], (1, 2), [("now", "."), (args.before, old)]):
+            ms = [m | {"time/other": 2 * m["time/step"] - sum(v for k, v in m.items() if k[:5] == "time/")}
+                  for m in run_train([f"--max_steps={steps}", *over], ranks, cwd)[warm:]]  # the step less its parts
+            t = {k: med(m[f"time/{k}"] for m in ms) for k in keys if f"time/{k}" in ms[0]}
+            rows.append((name, ranks, commit, *(f"{t[k] * 1e3:.1f} ms" if k in t else "-" for k in keys),
+                         f"{t['weight_sync'] / t['step']:.1%}", f"{len(ms) / sum(m['time/step'] for m in ms):.2f}"))
+    table(f"a step's parts, medians of steps {warm + 1}..{steps} ({args.before} logs no handout: in other); arith "
+          f"= {' '.join(ARITH)}", ["setting", "ranks", "commit", *keys, "weight_sync share", "steps/s"], rows)
+
+def bench_trl():
+    """The baseline is TRL's GRPOTrainer (tests/trl_arith.py, under --trl_python) on the same initial weights, prompt
+    ids, batch, sampling and lr as train.py at the arith setting; one process each, the same number of steps."""
+    steps, warm = (4, 1) if args.quick else (300, 20)
+    init = train.tiny_init(config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}"]), 0, False)  # train.py's own
+    job = [*ARITH, f"--model={init}", f"--max_steps={steps}"]
+    runs = {"TRL": run_train(job, cmd=(args.trl_python, "tests/trl_arith.py")), "nanomolt": run_train(job)}
+    rate = {k: (len(ms) - warm) / sum(m["time/step"] for m in ms[warm:]) for k, ms in runs.items()}
+    table(f"nanomolt train.py vs TRL {runs['TRL'][0]['trl_version']} GRPOTrainer: {' '.join(ARITH)}, 8 x 8 episodes a "
+          f"step, {steps} steps, rates after step {warm}", ["", "steps/s", "episodes/s", "ratio to TRL", "reward, last "
+          "50 steps"], [(k, f"{r:.2f}", f"{r * 64:.0f}", f"{r / rate['TRL']:.2f}x",
+                         f"{mean(m['reward/mean'] for m in runs[k][-50:]):.3f}") for k, r in rate.items()])
 
 def bench_trainer():
-    """The baseline is the loop one writes first: on ready-made padded tensors, a policy-gradient step, no publish."""
-    s = setup()
-    plain_model = copy.deepcopy(s["model"])
-    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=s["cfg"].lr)
-    b = train.collate(s["msgs"], "cpu")
-    ids, mask, A = b["ids"], b["loss_mask"][:, 1:], s["adv"][:, None]
-    tokens = sum(len(m["ids"]) for m in s["msgs"])  # episode tokens (the plain loop also runs padding)
+    """The baseline is the loop one writes first: on ready-made padded tensors, a policy-gradient step, no publish.
+    The batch: one the default recipe's rollout sampled (--model: the SmolLM2 recipe's, 2 x 8 episodes)."""
+    real = ["--config", "configs/smollm2_cpu.py", f"--model={args.model}", "--prompts_per_step=2"] * bool(args.model)
+    cfg = config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}", *real])  # the out_dir lives as long as we do
+    init = train.tiny_init(cfg, 0, False) if cfg.model == "tiny" else cfg.model
+    model, plain_model = (train.build_model(cfg, 0, torch.device("cpu"), False, init) for _ in "12")
+    ro = rollout.start_rollout(cfg, model.config, train.full_state(model, False), 0, 0, init)
+    msgs, rollout_mb = train.take_batch(cfg, ro, 0, collections.Counter())[0], peak_mb(ro.proc.pid)
+    ro.close()  # else it samples on, on our core; a lock it held when killed stays held: a new one
+    ro = rollout.Rollout(None, None, ro.shared, ro.version, torch.multiprocessing.Lock(), None)
+    adv = torch.randn(len(msgs))  # the time of a step is the same for any advantages (nothing is skipped at 0)
+    share = train.make_shares(msgs, adv.tolist(), 1, cfg)[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=cfg.lr)
+    b = train.collate(msgs, "cpu")
+    ids, mask, A, tokens = b["ids"], b["loss_mask"][:, 1:], adv[:, None], sum(len(m["ids"]) for m in msgs)
 
     def plain():
         plain_opt.zero_grad(set_to_none=True)
         logp = torch.log_softmax(plain_model(ids)[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
         (-(logp * A * mask).sum() / mask.sum()).backward()
         plain_opt.step()
-    t = timed({"full": lambda: (s["step"](), s["publish"]()), "plain": plain}, 3 if args.quick else 10)
-    table(f"trainer overhead: {len(ids)} episodes, {tokens} tokens, the plain loop pads to {tuple(ids.shape)}",
-          ["measure", "measured", "plain loop (baseline)", "ratio", "target"], [("train_step + publish, tok/s",
-           f"{tokens / t['full']:,.0f}", f"{tokens / t['plain']:,.0f}", f"{t['plain'] / t['full']:.2f}", ">= 0.90")])
+    t = timed({"full": lambda: (train.train_step(model, opt, share, cfg, 0, 1), ro.publish(train.full_state(
+        model, False), 1)), "plain": plain}, 3 if args.quick or args.model else 10)
+    table(f"trainer overhead, {os.path.basename(args.model) or 'tiny MoE'}: {len(ids)} episodes, {tokens} tokens "
+          f"(plain loop: padded to {tuple(ids.shape)}); peak RSS {peak_mb():,.0f} MB here (trainer, plain loop), "
+          f"rollout process {rollout_mb:,.0f} MB", ["measure", "measured", "plain loop (baseline)", "ratio", "target"],
+          [("train_step + publish, tok/s", f"{tokens / t['full']:,.0f}", f"{tokens / t['plain']:,.0f}",
+            f"{t['plain'] / t['full']:.2f}", ">= 0.90")])
 
 def bench_moe():
     """Two baselines: the MoE as first written (naive), and a dense MLP as wide as its active parameters per token."""
@@ -145,7 +154,7 @@ def bench_moe():
                    for j in range(m.w_gate.shape[0]))
     for H in (128, 512):
         moe, dense = MoE(ModelConfig(hidden_size=H, num_experts=8, moe_intermediate_size=H)), MLP(H, 2 * H)
-        for p in moe.parameters():
+        for p in moe.parameters():  # experts are made with torch.empty
             torch.nn.init.normal_(p, std=0.02)
         x = torch.randn(64 * 64, H, requires_grad=True)  # 64 episodes of 64 tokens
         t = timed({"grouped": lambda: moe(x)[0].sum().backward(), "naive": lambda: naive(moe, x).sum().backward(),
@@ -155,24 +164,15 @@ def bench_moe():
     table(f"mixture of experts: one layer forward + backward on 4096 tokens, median of {n}", ["layer",
           "model_moe.MoE (measured)", "naive (baseline)", "dense MLP (baseline)", "ratio to naive", "to dense"], rows)
 
-def bench_publish():
-    """The baseline is the train step a publish follows: what matters is its share of a step."""
-    n, rows = 3 if args.quick else 10, []
-    for width in (128, 512):
-        s = setup(width)
-        mb = sum(t.numel() * t.element_size() for t in s["model"].state_dict().values()) / 1e6
-        t = timed({k: s[k] for k in ("step", "publish", "disk")}, n)
-        rows += [(f"tiny_hidden={width}, {mb:.1f} MB", k, f"{t[k] * 1e3:.1f} ms", f"{mb / 1e3 / t[k]:.2f} GB/s",
-                  f"{t['step'] * 1e3:.0f} ms", f"{t[k] / (t[k] + t['step']):.1%}", "< 5%" * (width == 128))
-                 for k in ("publish", "disk")]
-    table(f"weight publishing, median of {n}: publish = Rollout.publish to shared memory, disk = write_weights",
-          ["model", "path", "per step (measured)", "GB/s", "train step (baseline)", "share of a step", "target"], rows)
-
 def bench_engine():
-    """The baseline: HF `generate` on the same weights (from our checkpoint), one left-padded batch per call."""
-    new, repeats = (16, 1) if args.quick else (128, 3)  # new tokens per row
+    """The baseline: HF `generate` on the same weights (from our checkpoint), one left-padded batch per call. The
+    bound: a decode step reads every weight and the rows' K and V at the bytes/s of a large copy (reads + writes)."""
+    new, repeats = (16, 1) if args.quick else (32, 1) if args.model else (128, 3)  # new tokens per row
     c = ModelConfig(vocab_size=384, num_experts=8, max_position_embeddings=256)  # else the defaults: the tiny preset
-    ours = Transformer(c).init_weights(0).eval()
+    ours = (Transformer.from_pretrained(args.model) if args.model else Transformer(c).init_weights(0)).eval()
+    c, x, y = ours.config, torch.ones(1 << 27), torch.zeros(1 << 27)  # 512 MB each: far past the caches
+    bw = 2 * x.nbytes / timed({"copy": lambda: y.copy_(x)}, 3, best=True)["copy"]
+    kv = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4  # bytes of K and V at one position
     with tempfile.TemporaryDirectory() as d:
         ours.save_pretrained(d)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -184,21 +184,23 @@ def bench_engine():
         loop = asyncio.create_task(e.run())
         outs = await asyncio.gather(*(e.generate(p.tolist()) for p in ps))
         loop.cancel()
-        assert all(len(o.ids) == new and o.routing is not None for o in outs)
+        assert all(len(o.ids) == new and (o.routing is None) == (c.num_experts == 0) for o in outs)
 
     def generate(ps):  # -1 marks padding; min_new_tokens pins the length (there is no eos anyway)
         ids = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True, padding_value=-1, padding_side="left")
-        torch.manual_seed(0)
         out = hf.generate(ids.clamp(min=0), attention_mask=(ids >= 0).long(), do_sample=True, max_new_tokens=new,
                           min_new_tokens=new, top_k=0, top_p=1.0, pad_token_id=0)
         assert out.shape[1] == ids.shape[1] + new
-    rows = []
+    rows, weights = [], sum(p.numel() * p.element_size() for p in ours.parameters())  # bytes read by each step
     for n in (64, 1, 8):  # as many as the engine has slots, then one and a few concurrent agents
         t = timed({"engine": lambda: asyncio.run(serve(prompts[:n])), "hf": lambda: generate(prompts[:n])}, repeats)
-        rows.append((n, f"{n * new / t['engine']:,.0f}", f"{n * new / t['hf']:,.0f}", f"{t['hf'] / t['engine']:.2f}x"))
-    table(f"tiny MoE, {sum(p.numel() for p in ours.parameters()) / 1e6:.2f}M params, 8 experts top-2, prompts 16..32 "
-          f"tokens, {new} new tokens/row at temperature 1, median of {repeats}, {torch.get_num_threads()} threads",
-          ["requests at once", "engine tok/s (measured)", "HF generate tok/s (baseline)", "ratio"], rows)
+        step_bytes = weights + kv * sum(len(p) + new / 2 for p in prompts[:n])  # the mean decode step's reads
+        rows.append((n, f"{n * new / t['engine']:,.0f}", f"{n * new / t['hf']:,.0f}", f"{t['hf'] / t['engine']:.2f}x",
+                     f"{n * bw / step_bytes:,.0f}", f"{n * new / t['engine'] / (n * bw / step_bytes):.0%}"))
+    table(f"{os.path.basename(args.model) or 'tiny MoE, 8 experts top-2'}, {weights / 4e6:.2f}M params: random prompts "
+          f"of 16..32 tokens, {new} new each at temperature 1, median of {repeats}, {torch.get_num_threads()} threads; "
+          f"copy {bw / 1e9:.1f} GB/s; peak RSS {peak_mb():,.0f} MB (both models)", ["requests at once", "engine tok/s "
+          "(measured)", "HF generate tok/s (baseline)", "ratio", "memory bound tok/s", "engine / bound"], rows)
 
 def bench_endpoint():
     """The baseline: the same 3-turn chats by a token-level agent on llm.generate, on the same engine and weights."""
@@ -234,17 +236,21 @@ def bench_endpoint():
           [(k, f"{n / v['chat']:.1f}", f"{n / v['generate']:.1f}", f"{v['generate'] / v['chat']:.2f}", ">= 0.8")
            for k, v in t.items()])
 
-BENCHES = {"engine": bench_engine, "overlap": bench_overlap, "parity": bench_parity, "trainer": bench_trainer,
-           "moe": bench_moe, "publish": bench_publish, "endpoint": bench_endpoint}
-if __name__ == "__main__":  # not in the rollout process that setup() spawns
+BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
+           "trainer": bench_trainer, "moe": bench_moe, "endpoint": bench_endpoint}
+if __name__ == "__main__":  # not in the rollout process that bench_trainer spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer tokens, steps, seeds and repeats")
     ap.add_argument("--threads", type=int, default=0, help="engine: torch.set_num_threads (0: all cores)")
+    ap.add_argument("--before", default="8482101", help="fixed: the baseline commit")
+    ap.add_argument("--trl_python", default="python", help="trl: the interpreter of a venv with trl installed")
+    ap.add_argument("--model", default="", help="engine, trainer: a model directory or .gguf (default: tiny MoE)")
     args = ap.parse_args()
+    args.model = convert_gguf(args.model) if args.model.endswith(".gguf") else args.model  # once, beside it
     os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
     for name in [*list(BENCHES)[1:], "engine"] if args.section == "all" else [args.section]:
-        one_core = name in ("trainer", "moe", "publish")  # the trainer's share of a 2-core machine
+        one_core = name in ("trainer", "moe")  # the trainer's share of a 2-core machine
         os.sched_setaffinity(0, {0} if one_core else range(os.cpu_count()))
         torch.set_num_threads(1 if one_core else args.threads or os.cpu_count())
         BENCHES[name]()

@@ -494,7 +494,7 @@ def main(argv=None):
             counters["bad_steps"] = (counters["bad_steps"] + 1) * bad
             if counters["bad_steps"] >= cfg.max_bad_steps:
                 raise RuntimeError(f"{counters['bad_steps']} non-finite gradient norms in a row at step {step + 1}")
-            t_train = time.perf_counter() - t_train
+            t_train, t_hand = time.perf_counter() - t_train, t_train - t_step - wait  # hand-out: advantages, shares
             step += 1
             # ---- 5. publish weights as version `step`; log; checkpoint ----
             t_sync = time.perf_counter()
@@ -507,7 +507,7 @@ def main(argv=None):
                 state["rollout_counts"] = {k: stats[k] for k in rollout.COUNTS}
                 state["data_position"] = max(state["data_position"], max(m["index"] for m in msgs) + 1)
                 now, generated = time.perf_counter(), stats["tokens_generated"]
-                times = {"step": now - t_step, "wait_rollout": wait, "train": t_train, "weight_sync": t_sync}
+                times = dict(step=now - t_step, wait_rollout=wait, handout=t_hand, train=t_train, weight_sync=t_sync)
                 log_step(cfg, step_metrics(step, msgs, sums, stale_max, hist, norms, times, counters, stats,
                                            (generated - last_generated) / max(now - last_t, 1e-9)))
                 last_generated, last_t = generated, now
