@@ -263,31 +263,29 @@ async def guess(task: dict, llm) -> Episode:
     ep.info = {"turns": turn, "invalid": invalid}
     return ep
 
-@functools.lru_cache(maxsize=1)
-def _client(loop):  # a new client loads the certificates (~44 ms, blocking the loop): one per event loop
-    import openai  # here: only chat agents need it
-    return openai.AsyncOpenAI(api_key="-", max_retries=0, timeout=None)  # episode_timeout bounds an episode
-
 def openai_client(llm):
-    """An `openai.AsyncOpenAI` on this episode's endpoint, sharing the loop's connections (`with_options`)."""
-    return _client(asyncio.get_running_loop()).with_options(base_url=llm.base_url, api_key=llm.api_key)
+    """An `openai.AsyncOpenAI` on this episode's endpoint. verify=False: the endpoint is plain HTTP on loopback, and a
+    default client loads the CA certificates (~44 ms, blocking the rollout's loop) each time one is made."""
+    import openai  # here: only chat agents need it
+    return openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=None,  # no client
+                              http_client=openai.DefaultAsyncHttpxClient(verify=False))  # timeout: episode_timeout's
 
 async def calc(task: dict, llm) -> dict:
     """a*b+c: a chat agent (openai client on the endpoint), a sandboxed `python` tool; last reply's last int answers."""
     msgs = [{"role": "user", "content": CALC_PROMPT.format(task["a"], task["b"], task["c"])}]
     calls = errors = 0
-    client = openai_client(llm)
-    for turn in range(1, task["max_turns"] + 1):
-        m = (await client.chat.completions.create(model=llm.model, messages=msgs, tools=[PYTHON_TOOL])).choices[0]
-        msgs.append(m.message.model_dump(exclude_none=True))
-        if not m.message.tool_calls or turn == task["max_turns"]:
-            break  # an answer, or a call whose result no turn is left to read
-        for c in m.message.tool_calls:  # the endpoint parsed them: arguments is a JSON object
-            ok, out = await run_tool(str(json.loads(c.function.arguments).get("code", "")),
-                                     timeout_s=task["tool_timeout"], memory_mb=task["tool_memory_mb"],
-                                     max_output=task.get("tool_max_output", 1024))
-            calls, errors = calls + 1, errors + (not ok)
-            msgs.append({"role": "tool", "tool_call_id": c.id, "content": out.strip() or "(no output)"})
+    async with openai_client(llm) as client:
+        for turn in range(1, task["max_turns"] + 1):
+            m = (await client.chat.completions.create(model=llm.model, messages=msgs, tools=[PYTHON_TOOL])).choices[0]
+            msgs.append(m.message.model_dump(exclude_none=True))
+            if not m.message.tool_calls or turn == task["max_turns"]:
+                break  # an answer, or a call whose result no turn is left to read
+            for c in m.message.tool_calls:  # the endpoint parsed them: arguments is a JSON object
+                ok, out = await run_tool(str(json.loads(c.function.arguments).get("code", "")),
+                                         timeout_s=task["tool_timeout"], memory_mb=task["tool_memory_mb"],
+                                         max_output=task.get("tool_max_output", 1024))
+                calls, errors = calls + 1, errors + (not ok)
+                msgs.append({"role": "tool", "tool_call_id": c.id, "content": out.strip() or "(no output)"})
     answer = _ints(m.message.content or "")
     return {"reward": float(bool(answer) and answer[-1] == task["a"] * task["b"] + task["c"]),
             "info": {"turns": turn, "tool_calls": calls, "tool_errors": errors}}

@@ -209,11 +209,12 @@ def bench_endpoint():
     tok, ask, turn = rollout._tokenizer(d), agent.GUESS_PROMPT.format(7), {"role": "user", "content": "4 is too low"}
     model = Transformer(ModelConfig(vocab_size=len(tok), num_experts=8, max_position_embeddings=256)).init_weights(0)
 
-    async def chat(llm):  # as calc does: the process's client, this episode's URL; the episode is the record
-        msgs, client = [{"role": "user", "content": ask}], agent.openai_client(llm)
-        for _ in range(3):
-            m = (await client.chat.completions.create(model=llm.model, messages=msgs)).choices[0].message
-            msgs += [m.model_dump(exclude_none=True), turn]
+    async def chat(llm):  # a client as calc makes one; the episode is the endpoint's record
+        msgs = [{"role": "user", "content": ask}]
+        async with agent.openai_client(llm) as client:
+            for _ in range(3):
+                m = (await client.chat.completions.create(model=llm.model, messages=msgs)).choices[0].message
+                msgs += [m.model_dump(exclude_none=True), turn]
         return [rollout.check_tokens(*s) for s in endpoint.segments(llm, 0.0)]
 
     async def tokens(llm):  # the same turns as token ids
