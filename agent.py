@@ -199,9 +199,8 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
         out = open(rfd, "rb", buffering=0)
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", "-u", "-c", _PRELUDE, *args, cwd=tmp, env={},
-                stdin=asyncio.subprocess.DEVNULL, stdout=wfd, stderr=wfd,
-                close_fds=True, start_new_session=True)  # own process group, so one killpg reaches forks
+                sys.executable, "-I", "-S", "-u", "-c", _PRELUDE, *args, cwd=tmp, env={}, stdout=wfd, stderr=wfd,
+                stdin=asyncio.subprocess.DEVNULL, close_fds=True, start_new_session=True)  # one killpg reaches forks
         finally:
             os.close(wfd)  # else we would never see EOF
         stream = asyncio.StreamReader()

@@ -149,6 +149,5 @@ def _tool_calls(text):
                for c in calls):
         return None
     # arguments as a JSON string, as OpenAI sends them; the template writes a string back verbatim
-    return [{"id": f"call_{i}", "type": "function", "function": {
-        "name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
-        for i, c in enumerate(calls)] or None
+    return [{"id": f"call_{i}", "type": "function", "function": {"name": c["name"], "arguments": json.dumps(
+        c.get("arguments", {}), ensure_ascii=False)}} for i, c in enumerate(calls)] or None

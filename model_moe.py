@@ -333,8 +333,7 @@ class Transformer(nn.Module):
         images (N, C, H, W) float: the batch's images, in row-major order of their placeholders (n_patches each).
         logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them).
         aux_mask (B, T) bool: the positions the MoE load-balancing loss (self.aux_loss) counts."""
-        c = self.config
-        B, T = ids.shape
+        c, (B, T) = self.config, ids.shape
         positions = torch.arange(T, device=ids.device).expand(B, T) if positions is None else positions
         x = self.model.embed_tokens(ids) if embeds is None else embeds  # (B, T, C)
         if images is None and c.vision_layers and torch.is_grad_enabled():
