@@ -1,5 +1,4 @@
 """agent.py: agents are ordinary async Python programs; tasks, tools, rewards."""
-
 import asyncio
 import contextlib
 import functools
@@ -200,14 +199,12 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
         out = open(rfd, "rb", buffering=0)
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", "-u", "-c", _PRELUDE, *args, cwd=tmp, env={},
-                stdin=asyncio.subprocess.DEVNULL, stdout=wfd, stderr=wfd,
-                close_fds=True, start_new_session=True)  # own process group, so one killpg reaches forks
+                sys.executable, "-I", "-S", "-u", "-c", _PRELUDE, *args, cwd=tmp, env={}, stdout=wfd, stderr=wfd,
+                stdin=asyncio.subprocess.DEVNULL, close_fds=True, start_new_session=True)  # one killpg reaches forks
         finally:
             os.close(wfd)  # else we would never see EOF
         stream = asyncio.StreamReader()
-        pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(stream), out)
+        pipe, _ = await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), out)
         half, head, tail, total = max_output // 2, b"", b"", 0
 
         async def drain():  # keep the first and last max_output/2 bytes, drop the middle as it streams by
@@ -259,8 +256,7 @@ async def guess(task: dict, llm) -> Episode:
         if feedback == "correct" or turn == task["max_turns"]:
             break  # no feedback after the last turn: it would be tokens nothing learns from
         ep.append(turn_suffix(tok, feedback))
-    ep.reward = float(feedback == "correct")
-    ep.info = {"turns": turn, "invalid": invalid}
+    ep.reward, ep.info = float(feedback == "correct"), {"turns": turn, "invalid": invalid}
     return ep
 
 def openai_client(llm):
@@ -273,7 +269,7 @@ def openai_client(llm):
 async def calc(task: dict, llm) -> dict:
     """a*b+c: a chat agent (openai client on the endpoint), a sandboxed `python` tool; last reply's last int answers."""
     msgs = [{"role": "user", "content": CALC_PROMPT.format(task["a"], task["b"], task["c"])}]
-    calls = errors = 0
+    calls, errors = 0, 0
     async with openai_client(llm) as client:
         for turn in range(1, task["max_turns"] + 1):
             m = (await client.chat.completions.create(model=llm.model, messages=msgs, tools=[PYTHON_TOOL])).choices[0]
@@ -319,8 +315,7 @@ async def count(task: dict, llm) -> Episode:
         ep.append_image(squares(rng, task.get("image_size", 16), k), ids)
         digit = re.search(r"\d", await model_turn(llm, ep))
         right += digit is not None and int(digit.group()) == k
-    ep.reward = right / task["max_turns"]
-    ep.info = {"turns": turn}
+    ep.reward, ep.info = right / task["max_turns"], {"turns": turn}
     return ep
 
 TASKS = {"guess": guess, "calc": calc, "arith": arith, "count": count}
@@ -364,7 +359,5 @@ def make_task(name_or_path: str, index: int, *, seed: int, group_size: int, gues
     task = dict(knobs, task=name_or_path, index=index, group=group, guess_max=guess_max, max_turns=max_turns,
                 tool_timeout=tool_timeout, tool_memory_mb=tool_memory_mb, secret=secret, a=a, b=b, c=c,
                 seed=rng.getrandbits(32))  # for user agents that draw their own data
-    if task_file:  # a data set: its rows, one per group, override the drawn fields
-        rows = load_task_file(task_file)
-        task.update(rows[group % len(rows)])
-    return task
+    rows = load_task_file(task_file) if task_file else [{}]  # a data set: its rows, one per group, override the draws
+    return task | rows[group % len(rows)]

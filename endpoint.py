@@ -18,8 +18,7 @@ import agent as agent_mod
 TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.S)  # the Qwen / Hermes format
 
 async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
-    """Start the server on a free port of 127.0.0.1 in the running loop. sampling: the run's temperature,
-    top_p, top_k (a request may not change them: the trainer assumes that distribution)."""
+    """Start the server on a free port of 127.0.0.1 in the running loop; sampling: the run's (no request changes it)."""
     server = {"tok": tokenizer, "sampling": sampling, "model": model, "ids": itertools.count(),
               "episodes": weakref.WeakValueDictionary()}  # an episode's llm; it goes when the rollout drops it
     app = web.Application(client_max_size=64 << 20)
@@ -141,8 +140,7 @@ async def _complete(server, llm, body):
     return "text_completion", {"text": text, "token_ids": ids, "finish_reason": finish}, usage
 
 def _tool_calls(text):
-    """Every <tool_call>{"name": ..., "arguments": {...}}</tool_call> in text -> OpenAI tool_calls; None if any is
-    malformed (then the text goes back as plain content)."""
+    """Every <tool_call>{"name": ..., "arguments": {...}}</tool_call> in text -> OpenAI tool_calls; None: one is bad."""
     try:
         calls = [json.loads(m.group(1)) for m in TOOL_CALL.finditer(text)]
     except ValueError:
@@ -151,6 +149,5 @@ def _tool_calls(text):
                for c in calls):
         return None
     # arguments as a JSON string, as OpenAI sends them; the template writes a string back verbatim
-    return [{"id": f"call_{i}", "type": "function", "function": {
-        "name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
-        for i, c in enumerate(calls)] or None
+    return [{"id": f"call_{i}", "type": "function", "function": {"name": c["name"], "arguments": json.dumps(
+        c.get("arguments", {}), ensure_ascii=False)}} for i, c in enumerate(calls)] or None

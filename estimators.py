@@ -95,8 +95,7 @@ def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor
     if dual_clip is not None:
         cap = -dual_clip * advantages  # with A < 0 and r -> inf, -r A is unbounded; Ye et al. cap it at -c A
         dual = (advantages < 0) & (loss > cap)
-        loss = torch.where(dual, cap, loss)  # both branches are finite, so where's backward is safe
-        was_clipped = was_clipped | dual
+        loss, was_clipped = torch.where(dual, cap, loss), was_clipped | dual  # both finite: where's backward is safe
     return loss * loss_mask, _masked_mean(was_clipped, loss_mask)
 
 def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,

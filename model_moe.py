@@ -67,7 +67,6 @@ class ModelConfig:
 
     @classmethod
     def load(cls, path):
-        """The config.json of a Hugging Face directory."""
         cfg_path = Path(path, "config.json")
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
@@ -86,11 +85,11 @@ class ModelConfig:
             if (value := {**d, **rope}.get(key, ok[0])) not in ok:
                 raise ValueError(f"{path}: {key}={value!r} is not supported (supported: {', '.join(map(repr, ok))})")
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
-        kw.update(family=ARCHITECTURES[arch], rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
-                  rope_scaling={k: rope[k] for k in LLAMA3_ROPE} if rope["rope_type"] == "llama3" else None)
-        kw["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-        kw["num_experts"] = d.get("num_experts", d.get("num_local_experts", 0)) if "Moe" in arch else 0
-        return cls(**kw)
+        return cls(**kw | dict(
+            family=ARCHITECTURES[arch], rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling={k: rope[k] for k in LLAMA3_ROPE} if rope["rope_type"] == "llama3" else None,
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            num_experts=d.get("num_experts", d.get("num_local_experts", 0)) if "Moe" in arch else 0))
 
     def to_hf(self):
         # vision fields only for a model that has an encoder: a text-only config.json stays as it was
@@ -193,7 +192,6 @@ class MoE(nn.Module):
         E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = nn.Linear(H, E, bias=False)  # the router
-        # expert e's gate_proj.weight is w_gate[e]
         self.w_gate, self.w_up, self.w_down = (nn.Parameter(torch.empty(E, *s)) for s in ((I, H), (I, H), (H, I)))
 
     def forward(self, x, replay=None, aux_mask=None):
@@ -275,12 +273,10 @@ class KVCache:
         in_order = torch.equal(slots, torch.arange(first, first + B, device=slots.device))
 
         def update(i, k, v):
-            out = []
             for cache, new in ((self.k[i], k), (self.v[i], v)):
                 cache.view(-1, hd).index_copy_(0, at, new.reshape(-1, hd))
-                keys = cache.narrow(2, 0, n_keys)
-                out.append(keys.narrow(0, first, B) if in_order else keys.index_select(0, slots))
-            return out
+            kv = self.k[i, :, :, :n_keys], self.v[i, :, :, :n_keys]  # (S, nkv, n_keys, hd) each, views
+            return [t[first:first + B] if in_order else t.index_select(0, slots) for t in kv]
         return n_keys, update
 
 class VisionEncoder(nn.Module):
@@ -300,8 +296,7 @@ class VisionEncoder(nn.Module):
         self.proj_out = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
 
     def forward(self, images):
-        p = self.p
-        x = images.unfold(2, p, p).unfold(3, p, p)  # (N, C, H/p, W/p, p, p)
+        x = images.unfold(2, self.p, self.p).unfold(3, self.p, self.p)  # (N, C, H/p, W/p, p, p)
         x = x.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # (N, n_patches, C * p * p), in raster order
         x = self.patch_embed(x) + self.pos_embed  # (N, n_patches, D)
         for block in self.blocks:  # cos 1, sin 0: no rotation (positions are in pos_embed); mask None: see all
@@ -338,8 +333,7 @@ class Transformer(nn.Module):
         images (N, C, H, W) float: the batch's images, in row-major order of their placeholders (n_patches each).
         logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them).
         aux_mask (B, T) bool: the positions the MoE load-balancing loss (self.aux_loss) counts."""
-        c = self.config
-        B, T = ids.shape
+        c, (B, T) = self.config, ids.shape
         positions = torch.arange(T, device=ids.device).expand(B, T) if positions is None else positions
         x = self.model.embed_tokens(ids) if embeds is None else embeds  # (B, T, C)
         if images is None and c.vision_layers and torch.is_grad_enabled():
@@ -432,8 +426,7 @@ def save_pretrained(path, c: ModelConfig, sd, hf_config=None):
     os.makedirs(path, exist_ok=True)
     hf = {k: t.detach().contiguous().cpu() for k, t in to_hf_state(sd, c).items()}
     save_file(hf, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config or c.to_hf(), f, indent=2)
+    Path(path, "config.json").write_text(json.dumps(hf_config or c.to_hf(), indent=2))
 
 def convert_gguf(gguf_path, out_dir=None):
     """GGUF file -> out_dir (default: its path + ".hf"; reused when there), a plain Hugging Face directory with fp32
