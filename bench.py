@@ -1,6 +1,6 @@
 """python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each
-as measured, baseline and ratio. trainer, moe: CPU 0, one thread; the others all cores (scale, memory, flops: commit
-8482101; publish: d207298). On a shared machine one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py X"""
+as measured, baseline and ratio. trainer: CPU 0, one thread; the others all cores (scale, memory, flops: commit
+8482101; moe, publish: d207298). On a shared machine one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py X"""
 import argparse
 import asyncio
 import collections
@@ -16,7 +16,6 @@ from statistics import mean, median as med, stdev, variance
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning waiters fight for cores (~10x slower)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # generate() warns about flags it ignores on this model
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import agent  # noqa: E402
@@ -24,7 +23,7 @@ import config  # noqa: E402
 import endpoint  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
-from model_moe import MLP, ModelConfig, MoE, Transformer, convert_gguf  # noqa: E402
+from model_moe import ModelConfig, Transformer, convert_gguf  # noqa: E402
 
 GUESS = ["--config", "configs/guess.py", "--dump_every=0", "--ckpt_every=0"]  # the default recipe, no mid-run dumps
 ARITH = ["--task=arith", "--max_turns=1", "--max_new_tokens=4", "--temperature=1"]  # issue 22's: 8 x 8, tiny MoE
@@ -142,28 +141,6 @@ def bench_trainer():
           [("train_step + publish, tok/s", f"{tokens / t['full']:,.0f}", f"{tokens / t['plain']:,.0f}",
             f"{t['plain'] / t['full']:.2f}", ">= 0.90")])
 
-def bench_moe():
-    """Two baselines: the MoE as first written (naive), and a dense MLP as wide as its active parameters per token."""
-    n, rows = 3 if args.quick else 10, []
-
-    def naive(m, x):  # every expert over every token, times its combine weight (0 where not routed)
-        probs = F.softmax(m.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
-        w, e = probs.topk(m.top_k, dim=-1)
-        comb = torch.zeros_like(probs).scatter(-1, e, w / w.sum(-1, keepdim=True) if m.norm_topk_prob else w)
-        return sum(comb[:, j:j + 1] * ((F.silu(x @ m.w_gate[j].T) * (x @ m.w_up[j].T)) @ m.w_down[j].T)
-                   for j in range(m.w_gate.shape[0]))
-    for H in (128, 512):
-        moe, dense = MoE(ModelConfig(hidden_size=H, num_experts=8, moe_intermediate_size=H)), MLP(H, 2 * H)
-        for p in moe.parameters():  # experts are made with torch.empty
-            torch.nn.init.normal_(p, std=0.02)
-        x = torch.randn(64 * 64, H, requires_grad=True)  # 64 episodes of 64 tokens
-        t = timed({"grouped": lambda: moe(x)[0].sum().backward(), "naive": lambda: naive(moe, x).sum().backward(),
-                   "dense": lambda: dense(x).sum().backward()}, n)
-        rows.append((f"H={H}, 8 experts top-2", *(f"{t[k] * 1e3:.1f} ms" for k in t),
-                     f"{t['naive'] / t['grouped']:.2f}x", f"{t['dense'] / t['grouped']:.2f}x"))
-    table(f"mixture of experts: one layer forward + backward on 4096 tokens, median of {n}", ["layer",
-          "model_moe.MoE (measured)", "naive (baseline)", "dense MLP (baseline)", "ratio to naive", "to dense"], rows)
-
 def bench_engine():
     """The baseline: HF `generate` on the same weights (from our checkpoint), one left-padded batch per call. The
     bound: a decode step reads every weight and the rows' K and V at the bytes/s of a large copy (reads + writes)."""
@@ -238,7 +215,7 @@ def bench_endpoint():
            for k, v in t.items()])
 
 BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
-           "trainer": bench_trainer, "moe": bench_moe, "endpoint": bench_endpoint}
+           "trainer": bench_trainer, "endpoint": bench_endpoint}
 if __name__ == "__main__":  # not in the rollout process that bench_trainer spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")
@@ -251,7 +228,7 @@ if __name__ == "__main__":  # not in the rollout process that bench_trainer spaw
     args.model = convert_gguf(args.model) if args.model.endswith(".gguf") else args.model  # once, beside it
     os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
     for name in [*list(BENCHES)[1:], "engine"] if args.section == "all" else [args.section]:
-        one_core = name in ("trainer", "moe")  # the trainer's share of a 2-core machine
+        one_core = name == "trainer"  # the trainer's share of a 2-core machine
         os.sched_setaffinity(0, {0} if one_core else range(os.cpu_count()))
         torch.set_num_threads(1 if one_core else args.threads or os.cpu_count())
         BENCHES[name]()
