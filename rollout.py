@@ -64,9 +64,25 @@ def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
         logp = torch.log_softmax(logp.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf), dim=-1)
     return logp
 
-def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
-    """logits (B, V) -> ids (B,), logprobs (B,) under the filtered, renormalised distribution.
-    temperature 0 is greedy (its logprob is reported at temperature 1)."""
+M1, M2, M3 = -7046029254386353131, -4658895280553007687, -7723592293110705685  # splitmix64's constants, as int64
+
+def uniform(keys):
+    """keys (B, n) int64 -> (B,) float64 in [0, 1): splitmix64 (Steele et al. 2014) folded over each row, a
+    counter-based generator: the draw for (seed, episode, call, position) depends on nothing else, not the batch,
+    the timing or the rows beside it, so an episode regenerated on resume samples the same tokens."""
+    def shr(x, s):  # a logical shift: torch's >> on int64 keeps the sign
+        return (x >> s) & ((1 << (64 - s)) - 1)
+    h = torch.zeros(len(keys), dtype=torch.int64)
+    for col in keys.T:  # int64 products wrap around, as the hash wants
+        z = (h ^ col) + M1
+        z = (z ^ shr(z, 30)) * M2
+        z = (z ^ shr(z, 27)) * M3
+        h = z ^ shr(z, 31)
+    return shr(h, 11).double() / 2**53  # the top 53 bits: every double in [0, 1) it can be is equally likely
+
+def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None, u=None):
+    """logits (B, V) -> ids (B,), logprobs (B,) under the filtered, renormalised distribution; u (B,): the rows'
+    uniforms (else drawn from generator). temperature 0 is greedy (its logprob is reported at temperature 1)."""
     if temperature == 0:
         logp = torch.log_softmax(logits.float(), dim=-1)
         ids = logp.argmax(-1)
@@ -76,7 +92,8 @@ def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
         # an exponential per vocabulary entry). The sum is in float64 and u stays below its total, so a token of
         # probability 0 is never picked.
         cdf = logp.exp().cumsum(-1, dtype=torch.float64)
-        u = torch.rand(len(cdf), 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+        u = torch.rand(len(cdf), generator=generator, dtype=cdf.dtype, device=cdf.device) if u is None else u
+        u = u.to(cdf)[:, None] * cdf[:, -1:]
         ids = torch.searchsorted(cdf, torch.minimum(u, cdf[:, -1:].nextafter(u.new_zeros(()))), right=True)[:, 0]
     return ids, logp.gather(-1, ids[:, None])[:, 0]
 
@@ -93,6 +110,7 @@ class _Request:
     versions: list
     slot: int = -1
     fed: int = 0  # tokens whose keys are in the cache
+    key: tuple = ()  # (episode, call): with the seed and a token's position, what its random draw is a function of
     images: torch.Tensor | None = None  # (N, C, H, W) for the prompt's placeholders; used by prefills only
 
 class TorchEngine:
@@ -114,19 +132,21 @@ class TorchEngine:
             self.stop_ids.add(self.c.image_token_id)  # the episode), else a re-prefill would splice a feature in
         self.shared_version, self.source, self.lock = version, source, lock or contextlib.nullcontext()  # shared
         self.version = version.value if version is not None else 0
-        self.generator = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + self.version)
+        self.requests = itertools.count()
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
         self.wake, self.tokens_generated, self.busy_s = asyncio.Event(), 0, 0.0
 
-    async def generate(self, ids, max_new_tokens=None, images=None) -> Completion:
-        """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
+    async def generate(self, ids, max_new_tokens=None, images=None, key=None) -> Completion:
+        """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate).
+        key: (episode, call) from Policy; without one, (-1, the request's number)."""
         if not ids or not all(isinstance(t, int) and 0 <= t < self.c.vocab_size for t in ids):  # fail this agent,
             raise ValueError(f"prompt ids must be ints in [0, {self.c.vocab_size})")  # not the engine's next step
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
         if max_new <= 0:
             raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
         req = _Request(list(ids), len(ids), max_new, asyncio.get_running_loop().create_future(), [], [],
-                       images=None if images is None else images.to(self.cache.k.device))
+                       images=None if images is None else images.to(self.cache.k.device),
+                       key=key or (-1, next(self.requests)))
         self.waiting.append(req)
         self.wake.set()
         return await req.future
@@ -137,8 +157,6 @@ class TorchEngine:
         weights would sample (the trainer's recompute then matches it)."""
         self.model.load_state_dict(state, strict=False)
         self.version = version
-        # reseeding per version makes a batch's samples depend only on (seed, version): resumable runs
-        self.generator.manual_seed(self.seed * 1_000_003 + version)
         rows = [r for r in self.active.values() if r.fed > 0]
         if rows:  # no logits needed, only the keys
             self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows), prefill=True, logits=False)
@@ -194,7 +212,8 @@ class TorchEngine:
         return len(new) + len(rows)
 
     def _sample(self, rows, logits):
-        ids, logps = sample(logits, generator=self.generator, **self.sampling)
+        u = uniform(torch.tensor([[self.seed, *r.key, len(r.ids)] for r in rows]))  # (B,); len(r.ids): the position
+        ids, logps = sample(logits, u=u, **self.sampling)
         self.tokens_generated += len(rows)
         for r, t, lp in zip(rows, ids.tolist(), logps.tolist()):
             r.ids.append(t)
@@ -218,15 +237,17 @@ class TorchEngine:
 class Policy:
     """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`. One per episode: it keeps
     what the engine was given and returned, to check the episode against (token identity)."""
-    def __init__(self, engine, tokenizer):
+    def __init__(self, engine, tokenizer, episode=None):
         self.engine, self.tokenizer, self.calls, self.closed = engine, tokenizer, [], False
+        self.keys = None if episode is None else zip(itertools.repeat(episode), itertools.count())  # (episode, call)
 
     async def generate(self, ids, max_new_tokens=None, images=None):
         """images: a list of (C, H, W) tensors in [0, 1], one per run of placeholders in ids, in order."""
         if self.closed:  # the episode timed out: an agent that swallowed its cancellation gets no more tokens
             raise RuntimeError("this episode has timed out; its policy is closed")
         images = check_images(ids, images, getattr(self.engine, "c", None))  # bad input fails here, in the agent
-        c = await self.engine.generate(ids, max_new_tokens, **({} if images is None else {"images": images}))
+        kw = ({} if images is None else {"images": images}) | ({} if self.keys is None else {"key": next(self.keys)})
+        c = await self.engine.generate(ids, max_new_tokens, **kw)
         self.calls.append((list(ids), c, images))
         return c
 
@@ -352,7 +373,7 @@ def unpack(item):
             m[k] = next(parts) if s >= 0 else None
     return msgs
 
-def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
+def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, state):
     """Entry of the rollout process. link (start_rollout): weights (shared; None on disk), version, lock, out_q,
     dropped, servers ([(url, log path or None)] or None: the torch engine)."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a trainer killed with -9 takes this process along
@@ -364,13 +385,13 @@ def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
     try:
         # not asyncio.run: on an error its cleanup cancels every task at once, and a tool subprocess cancelled
         # that way (CPython 3.11) never finishes, so the process would hang instead of exiting below
-        asyncio.new_event_loop().run_until_complete(_rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts))
+        asyncio.new_event_loop().run_until_complete(_rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state))
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # now: sys.exit would first wait for threads still blocked in HTTP calls to servers
 
-async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
+async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
     tok = _tokenizer(tokenizer_dir)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
                     max_len=cfg.engine_max_len, stop_ids=stop_ids(tok, tokenizer_dir), seed=cfg.seed,
@@ -391,28 +412,33 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
             model.lm_head.weight = model.model.embed_tokens.weight
         engine = TorchEngine(model, slots=cfg.engine_slots, source=link.weights if copy else None, **sampling)
     tasks = [asyncio.create_task(engine.run()), asyncio.create_task(
-        produce(cfg, engine, tok, link.out_q, link.dropped, start_index, model_cfg.vocab_size, counts))]
+        produce(cfg, engine, tok, link.out_q, link.dropped, start_index, model_cfg.vocab_size, state))]
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for t in tasks:
         t.cancel()
     for t in done:  # neither returns: an engine or producer error ends the rollout process
         t.result()
 
-async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, counts=None):
+async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, state=None):
     """Run agents and queue each group whole, once all its episodes ended (its advantages compare the whole
     group). Staleness bound: a group starts only while fewer groups are live (started, not all failed) than
-    (version + 1 + max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL."""
-    run, G, start_version = agent_mod.load_agent(cfg.task), cfg.group_size, engine.version
-    counts = dict.fromkeys(COUNTS, 0) | (counts or {})
+    (version + 1 + max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL.
+    state: a checkpoint's (COUNTS; from a deterministic run also the admission: index, base, failed, in_a_row).
+    deterministic: groups are queued in data order, and each time all that was admitted has ended, a report
+    {"idle": (version, dropped), "state": ...} follows them (Rollout.settle waits for it)."""
+    run, G, P = agent_mod.load_agent(cfg.task), cfg.group_size, cfg.prompts_per_step
     first = -(-start_index // G)  # resume at the first group not yet started (whole groups only)
-    index, failed, in_a_row, running, groups = first * G, 0, 0, {}, {}
+    counts = {"index": first * G, "base": first - engine.version * P, "failed": 0, "in_a_row": 0} | \
+        dict.fromkeys(COUNTS, 0) | (state or {})
+    index, base, failed, in_a_row = (counts.pop(k) for k in ("index", "base", "failed", "in_a_row"))
+    running, groups, ended, next_out, idle = {}, {}, {}, index // G, None  # ended: group -> its item (None: failed)
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
     knobs = {k: getattr(cfg, k) for k in ("seed", "group_size", "guess_max", "max_turns", "tool_timeout",
                                           "tool_memory_mb", "image_size", "patch_size", "task_file", "arith_prompt")}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
 
     async def one(task, index):
-        llm = Policy(engine, tokenizer)
+        llm = Policy(engine, tokenizer, index)
         endpoint.attach(server, llm)  # llm.base_url, llm.api_key, llm.model for chat agents
         agent_task = asyncio.ensure_future(run(task, llm))
         if not (await asyncio.wait([agent_task], timeout=cfg.episode_timeout))[0]:
@@ -438,10 +464,15 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
     while True:
         published = engine.shared_version.value if engine.shared_version is not None else engine.version
-        allowed_groups = (published - start_version + 1 + cfg.max_staleness) * cfg.prompts_per_step + dropped.value
-        while len(running) < cfg.concurrent_agents and (index // G - first) - failed < allowed_groups:  # live ones
+        drops = dropped.value
+        while len(running) < cfg.concurrent_agents and index // G - failed - drops < base + (
+                published + 1 + cfg.max_staleness) * P:  # started groups, less those that failed or were dropped
             running[asyncio.create_task(one(agent_mod.make_task(cfg.task, index, **knobs), index))] = index
             index += 1
+        if cfg.deterministic and not running and idle != (published, drops):  # a state to resume from
+            idle = (published, drops)
+            pending.append({"idle": idle, "state": dict(counts, index=index, base=base, failed=failed,
+                                                        in_a_row=in_a_row)})
         done = (await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED))[0] if running \
             else await asyncio.sleep(0.01, ())  # asyncio.wait takes no empty set
         for t in done:
@@ -460,22 +491,25 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             groups.setdefault(i // G, []).append(msgs)
             if len(groups[i // G]) == G:  # the group has ended: send what is left of it, or let another group start
                 kept = sorted((m for ms in groups.pop(i // G) for m in ms), key=lambda m: m["index"])
-                if kept:
-                    pending.append(pack(kept))
-                    in_a_row = 0
-                    continue
-                failed, in_a_row = failed + 1, in_a_row + 1
+                ended[i // G] = pack(kept) if kept else None
+                failed, in_a_row = failed + (not kept), (in_a_row + 1) * (not kept)
                 if in_a_row >= cfg.max_failed_groups:  # an agent that always fails would have us spin for good
                     raise RuntimeError(f"{in_a_row} groups in a row had no episode that did not fail "
                                        f"(max_failed_groups); the last error: {err!r}")
+        for g in sorted(ended):  # deterministic: in data order, so a batch does not depend on which ended first
+            if cfg.deterministic and g != next_out:
+                break
+            next_out, item = g + 1, ended.pop(g)
+            pending.extend([item] if item else [])
         with contextlib.suppress(queue_mod.Full):  # what does not fit waits for the trainer to take some
             while pending:
                 out_q.put_nowait(pending[0])
                 pending.popleft()
 
-def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, counts=None):
+def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, state=None, dropped=0):
     """Start the rollout process (trainer rank 0), and the servers unless cfg.server_urls names them. Weights go
-    to shared memory (torch, sglang in memory) or a directory per version (`write_weights`: disk)."""
+    to shared memory (torch, sglang in memory) or a directory per version (`write_weights`: disk). state, dropped:
+    what a checkpoint restores (produce; the groups dropped so far)."""
     ctx, procs, servers, write = mp.get_context("spawn"), [], None, None
     memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
     shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()} \
@@ -492,9 +526,10 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
             proc, url = start_server(cfg.engine, first, cfg, log, moe=model_cfg.num_experts > 0)
             procs, servers = [(proc, log)], [(url, log)]
     link = types.SimpleNamespace(weights=shared, version=ctx.Value("l", start_version), lock=ctx.Lock(),
-                                 out_q=ctx.Queue(maxsize=cfg.queue_size), dropped=ctx.Value("l", 0), servers=servers)
+                                 out_q=ctx.Queue(maxsize=cfg.queue_size), dropped=ctx.Value("l", dropped),
+                                 servers=servers)
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
-                       args=(cfg, model_cfg, link, start_index, tokenizer_dir, counts))
+                       args=(cfg, model_cfg, link, start_index, tokenizer_dir, state))
     proc.start()
     return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write)
 
@@ -503,12 +538,29 @@ class Rollout:
     def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None):
         self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
         self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
+        self.held, self.idle = deque(), None  # settled groups not yet trained; the rollout's last idle report
 
     def get(self, timeout=1.0):
-        """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
-        rollout process or a server it uses died."""
+        """Next group (held ones first): a list of episode messages, or None after `timeout` seconds without one
+        (or on an idle report); raises if the rollout process or a server it uses died."""
+        if self.held:
+            return self.held.popleft()
+        item = self._next(timeout)
+        self.idle = item if item is not None and "idle" in item else self.idle
+        return None if item is None or "idle" in item else unpack(item)
+
+    def settle(self, version):
+        """deterministic: wait until the rollout reports it is idle at `version` with every drop seen, moving the
+        groups that come first to `held` -> its state then: with `held`, what resumes the run exactly."""
+        while self.idle is None or self.idle["idle"] != (version, self.dropped.value):
+            if (item := self._next(1.0)) is not None:
+                self.held.extend([] if "idle" in item else [unpack(item)])
+                self.idle = item if "idle" in item else self.idle
+        return self.idle["state"]
+
+    def _next(self, timeout):
         try:
-            return unpack(self.q.get(timeout=timeout))
+            return self.q.get(timeout=timeout)
         except (OSError, EOFError) as e:  # the sender died while the item's tensors were being handed over
             raise RuntimeError(f"rollout process died while sending episodes ({e!r})") from e
         except queue_mod.Empty:
@@ -644,13 +696,14 @@ class ServerEngine:
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
         self.calls, self.in_flight, self.t_busy, self.tokens_generated, self.busy_s = itertools.count(), 0, 0.0, 0, 0.0
 
-    async def generate(self, ids, max_new_tokens=None) -> Completion:
+    async def generate(self, ids, max_new_tokens=None, key=None) -> Completion:
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
         if max_new <= 0:
             raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
         await self.open.wait()  # closed while the servers change weights
         version, i = self.version, next(self.calls)
-        p = dict(self.params, max_new_tokens=max_new, seed=(self.seed * 1_000_003 + i) % 2**31)
+        seed = int(uniform(torch.tensor([[self.seed, *(key or (-1, i))]]))[0] * 2**31)  # per request, as the torch
+        p = dict(self.params, max_new_tokens=max_new, seed=seed)  # engine's draws (the servers' sampling_seed, seed)
         self._count(+1)
         try:
             out, logprobs, experts = await self._call(i % len(self.urls), self.api["generate"], [*ids], p, self.timeout)

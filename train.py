@@ -437,8 +437,10 @@ def main(argv=None):
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(config.to_dict(cfg), f, indent=2)
         if not cfg.replay:
+            resume = state.get("resume") or {}  # deterministic: the settled groups, the admission state
             ro = rollout.start_rollout(cfg, model.config, weights, step, state["data_position"], tokenizer_dir,
-                                       state["rollout_counts"])
+                                       resume.get("rollout", state["rollout_counts"]), resume.get("dropped", 0))
+            ro.held.extend(resume.get("held", []))
     last_generated, last_t = 0, time.perf_counter()
     try:
         while step < cfg.max_steps:
@@ -480,6 +482,10 @@ def main(argv=None):
             t_train = time.perf_counter() - t_train
             step += 1
             # ---- 5. publish weights as version `step`; log; checkpoint ----
+            if ro is not None and cfg.deterministic:  # publish once all the last version admitted has ended; a
+                t0, settled = time.perf_counter(), ro.settle(step - 1)  # checkpoint until the next publish resumes
+                state["resume"] = {"rollout": settled, "held": list(ro.held), "dropped": ro.dropped.value}  # here
+                wait += time.perf_counter() - t0
             t_sync = time.perf_counter()
             weights = full_state(model, fsdp)
             if ro is not None:
