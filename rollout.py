@@ -64,21 +64,16 @@ def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
         logp = torch.log_softmax(logp.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf), dim=-1)
     return logp
 
-M1, M2, M3 = -7046029254386353131, -4658895280553007687, -7723592293110705685  # splitmix64's constants, as int64
-
 def uniform(keys):
     """keys (B, n) int64 -> (B,) float64 in [0, 1): splitmix64 (Steele et al. 2014) folded over each row, a
     counter-based generator: the draw for (seed, episode, call, position) depends on nothing else, not the batch,
     the timing or the rows beside it, so an episode regenerated on resume samples the same tokens."""
-    def shr(x, s):  # a logical shift: torch's >> on int64 keeps the sign
-        return (x >> s) & ((1 << (64 - s)) - 1)
     h = torch.zeros(len(keys), dtype=torch.int64)
-    for col in keys.T:  # int64 products wrap around, as the hash wants
-        z = (h ^ col) + M1
-        z = (z ^ shr(z, 30)) * M2
-        z = (z ^ shr(z, 27)) * M3
-        h = z ^ shr(z, 31)
-    return shr(h, 11).double() / 2**53  # the top 53 bits: every double in [0, 1) it can be is equally likely
+    for col in keys.T:  # splitmix64's constants as int64 (its products wrap around); & makes >> a logical shift
+        h = (h ^ col) - 7046029254386353131
+        for s, m in ((30, -4658895280553007687), (27, -7723592293110705685), (31, 1)):
+            h = (h ^ (h >> s) & (1 << 64 - s) - 1) * m
+    return ((h >> 11) & (1 << 53) - 1).double() / 2**53  # the top 53 bits
 
 def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None, u=None):
     """logits (B, V) -> ids (B,), logprobs (B,) under the filtered, renormalised distribution; u (B,): the rows'
@@ -137,8 +132,7 @@ class TorchEngine:
         self.wake, self.tokens_generated, self.busy_s = asyncio.Event(), 0, 0.0
 
     async def generate(self, ids, max_new_tokens=None, images=None, key=None) -> Completion:
-        """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate).
-        key: (episode, call) from Policy; without one, (-1, the request's number)."""
+        """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
         if not ids or not all(isinstance(t, int) and 0 <= t < self.c.vocab_size for t in ids):  # fail this agent,
             raise ValueError(f"prompt ids must be ints in [0, {self.c.vocab_size})")  # not the engine's next step
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
@@ -146,7 +140,7 @@ class TorchEngine:
             raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
         req = _Request(list(ids), len(ids), max_new, asyncio.get_running_loop().create_future(), [], [],
                        images=None if images is None else images.to(self.cache.k.device),
-                       key=key or (-1, next(self.requests)))
+                       key=key or (-1, next(self.requests)))  # without a Policy's key: the request's number
         self.waiting.append(req)
         self.wake.set()
         return await req.future
@@ -423,15 +417,13 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     """Run agents and queue each group whole, once all its episodes ended (its advantages compare the whole
     group). Staleness bound: a group starts only while fewer groups are live (started, not all failed) than
     (version + 1 + max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL.
-    state: a checkpoint's (COUNTS; from a deterministic run also the admission: index, base, failed, in_a_row).
-    deterministic: groups are queued in data order, and each time all that was admitted has ended, a report
-    {"idle": (version, dropped), "state": ...} follows them (Rollout.settle waits for it)."""
-    run, G, P = agent_mod.load_agent(cfg.task), cfg.group_size, cfg.prompts_per_step
+    state: a checkpoint's COUNTS (deterministic: and index, base). deterministic: once all admitted have ended,
+    {"idle": (version, dropped), "state"} follows the groups in the queue (for Rollout.settle)."""
+    run, G, P, S = agent_mod.load_agent(cfg.task), cfg.group_size, cfg.prompts_per_step, cfg.max_staleness
     first = -(-start_index // G)  # resume at the first group not yet started (whole groups only)
-    counts = {"index": first * G, "base": first - engine.version * P, "failed": 0, "in_a_row": 0} | \
-        dict.fromkeys(COUNTS, 0) | (state or {})
-    index, base, failed, in_a_row = (counts.pop(k) for k in ("index", "base", "failed", "in_a_row"))
-    running, groups, ended, next_out, idle = {}, {}, {}, index // G, None  # ended: group -> its item (None: failed)
+    # base: groups the window is shifted by (its origin, and one more for each group that failed whole)
+    counts = {"index": first * G, "base": first - engine.version * P} | dict.fromkeys(COUNTS, 0) | (state or {})
+    index, base, in_a_row, running, groups, idle = counts.pop("index"), counts.pop("base"), 0, {}, {}, None
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
     knobs = {k: getattr(cfg, k) for k in ("seed", "group_size", "guess_max", "max_turns", "tool_timeout",
                                           "tool_memory_mb", "image_size", "patch_size", "task_file", "arith_prompt")}
@@ -465,14 +457,12 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     while True:
         published = engine.shared_version.value if engine.shared_version is not None else engine.version
         drops = dropped.value
-        while len(running) < cfg.concurrent_agents and index // G - failed - drops < base + (
-                published + 1 + cfg.max_staleness) * P:  # started groups, less those that failed or were dropped
+        while len(running) < cfg.concurrent_agents and index // G < base + drops + (published + 1 + S) * P:
             running[asyncio.create_task(one(agent_mod.make_task(cfg.task, index, **knobs), index))] = index
             index += 1
         if cfg.deterministic and not running and idle != (published, drops):  # a state to resume from
             idle = (published, drops)
-            pending.append({"idle": idle, "state": dict(counts, index=index, base=base, failed=failed,
-                                                        in_a_row=in_a_row)})
+            pending.append({"idle": idle, "state": dict(counts, index=index, base=base)})
         done = (await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED))[0] if running \
             else await asyncio.sleep(0.01, ())  # asyncio.wait takes no empty set
         for t in done:
@@ -491,16 +481,11 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             groups.setdefault(i // G, []).append(msgs)
             if len(groups[i // G]) == G:  # the group has ended: send what is left of it, or let another group start
                 kept = sorted((m for ms in groups.pop(i // G) for m in ms), key=lambda m: m["index"])
-                ended[i // G] = pack(kept) if kept else None
-                failed, in_a_row = failed + (not kept), (in_a_row + 1) * (not kept)
+                pending.extend([pack(kept)] if kept else [])
+                base, in_a_row = (base, 0) if kept else (base + 1, in_a_row + 1)  # a failed group frees its place
                 if in_a_row >= cfg.max_failed_groups:  # an agent that always fails would have us spin for good
                     raise RuntimeError(f"{in_a_row} groups in a row had no episode that did not fail "
                                        f"(max_failed_groups); the last error: {err!r}")
-        for g in sorted(ended):  # deterministic: in data order, so a batch does not depend on which ended first
-            if cfg.deterministic and g != next_out:
-                break
-            next_out, item = g + 1, ended.pop(g)
-            pending.extend([item] if item else [])
         with contextlib.suppress(queue_mod.Full):  # what does not fit waits for the trainer to take some
             while pending:
                 out_q.put_nowait(pending[0])
@@ -531,31 +516,32 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
                        args=(cfg, model_cfg, link, start_index, tokenizer_dir, state))
     proc.start()
-    return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write)
+    return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write,
+                   cfg.deterministic)
 
 class Rollout:
     """The trainer's handle on the rollout process (and on the inference servers it started)."""
-    def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None):
+    def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None, deterministic=False):
         self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
         self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
-        self.held, self.idle = deque(), None  # settled groups not yet trained; the rollout's last idle report
+        self.held, self.idle, self.deterministic = deque(), None, deterministic  # held: settled groups, untrained
 
     def get(self, timeout=1.0):
-        """Next group (held ones first): a list of episode messages, or None after `timeout` seconds without one
-        (or on an idle report); raises if the rollout process or a server it uses died."""
-        if self.held:
-            return self.held.popleft()
-        item = self._next(timeout)
-        self.idle = item if item is not None and "idle" in item else self.idle
-        return None if item is None or "idle" in item else unpack(item)
+        """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
+        rollout process or a server it uses died. deterministic: the settled groups, in data order."""
+        if self.deterministic and not self.held:
+            self.settle()
+        item = self.held.popleft() if self.held else None if self.deterministic else self._next(timeout)
+        return None if item is None else unpack(item)
 
-    def settle(self, version):
-        """deterministic: wait until the rollout reports it is idle at `version` with every drop seen, moving the
-        groups that come first to `held` -> its state then: with `held`, what resumes the run exactly."""
-        while self.idle is None or self.idle["idle"] != (version, self.dropped.value):
-            if (item := self._next(1.0)) is not None:
-                self.held.extend([] if "idle" in item else [unpack(item)])
+    def settle(self):
+        """deterministic: wait for the rollout to report that all the published version admitted has ended, every
+        drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`)."""
+        while self.idle is None or self.idle["idle"] != (self.version.value, self.dropped.value):
+            if (item := self._next(1.0)) is not None:  # a group (packed: the checkpoint saves it so) or the report
+                self.held.extend([] if "idle" in item else [item])
                 self.idle = item if "idle" in item else self.idle
+        self.held = deque(sorted(self.held, key=lambda item: item["msgs"][0]["index"]))
         return self.idle["state"]
 
     def _next(self, timeout):

@@ -483,9 +483,8 @@ def main(argv=None):
             step += 1
             # ---- 5. publish weights as version `step`; log; checkpoint ----
             if ro is not None and cfg.deterministic:  # publish once all the last version admitted has ended; a
-                t0, settled = time.perf_counter(), ro.settle(step - 1)  # checkpoint until the next publish resumes
-                state["resume"] = {"rollout": settled, "held": list(ro.held), "dropped": ro.dropped.value}  # here
-                wait += time.perf_counter() - t0
+                # checkpoint from here to the next publish resumes from the rollout's state and the groups held now
+                state["resume"] = {"rollout": ro.settle(), "held": list(ro.held), "dropped": ro.dropped.value}
             t_sync = time.perf_counter()
             weights = full_state(model, fsdp)
             if ro is not None:
