@@ -1,6 +1,10 @@
 """Lossless asynchronous resume: per-episode sampler draws, reproducible async runs, exact resume."""
 import asyncio
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import torch
 from safetensors.torch import load_file
@@ -8,7 +12,7 @@ from safetensors.torch import load_file
 import rollout
 from model_moe import ModelConfig, Transformer
 from rollout import TorchEngine
-from test_train import metrics, run_train
+from test_train import ENV, ROOT, metrics, run_train
 
 V = 64
 
@@ -16,7 +20,7 @@ V = 64
 def test_uniform_is_uniform_and_independent_across_positions():
     keys = torch.tensor([[7, e, c, p] for e in range(50) for c in range(4) for p in range(100)])  # (20000, 4)
     u = rollout.uniform(keys)
-    assert ((u >= 0) & (u < 1)).all() and torch.equal(u, rollout.uniform(keys))  # a function of its keys
+    assert ((u >= 0) & (u < 1)).all() and torch.equal(u, rollout.uniform(keys.tolist()))  # a function of its keys
     n, counts = len(u), torch.bincount((u * 20).long(), minlength=20).double()
     assert ((counts - n / 20).abs() <= 5 * (n / 20 * (1 - 1 / 20)) ** 0.5).all(), counts
     nxt = u.view(200, 100)  # adjacent positions of one call: uncorrelated
@@ -92,3 +96,26 @@ def test_async_run_stopped_and_resumed_trains_what_an_uninterrupted_one_does(tmp
     assert second.returncode == 0, second.stderr[-3000:]
     ma = same_run(tmp_path / "a", tmp_path / "b", 6)
     assert all(m["staleness/max"] == 1 for m in ma[1:])  # it did run a version ahead of the trainer
+
+
+def test_async_run_stopped_by_sigterm_mid_step_resumes_exactly(tmp_path):
+    """SIGTERM at whatever point the run has reached (waiting for a batch, training, settling): the checkpoint it
+    writes resumes to the same 6 steps as an uninterrupted run."""
+    args = ["--max_staleness=1", "--deterministic", "--rollout_dump", "--dump_every=0"]
+    full = run_train(tmp_path / "a", *args, "--max_steps=6")
+    assert full.returncode == 0, full.stderr[-3000:]
+    out = tmp_path / "b"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           f"--out_dir={out}", "--prompts_per_step=4", "--ckpt_every=0", *args, "--max_steps=6"]
+    p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").exists() or len(metrics(out)) < 2:  # stop it in its third step
+        assert p.poll() is None and time.monotonic() < deadline, p.stderr.read()[-3000:] if p.poll() else "slow"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
+    stopped_at = len(metrics(out))
+    assert 2 <= stopped_at < 6
+    second = run_train(out, *args, "--max_steps=6", "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    same_run(tmp_path / "a", out, 6)
