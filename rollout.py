@@ -421,7 +421,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     {"idle": (version, dropped), "state"} follows the groups in the queue (for Rollout.settle)."""
     run, G, P, S = agent_mod.load_agent(cfg.task), cfg.group_size, cfg.prompts_per_step, cfg.max_staleness
     first = -(-start_index // G)  # resume at the first group not yet started (whole groups only)
-    # base: groups the window is shifted by (its origin, and one more for each group that failed whole)
+    # base: the window's origin in groups, one later for each group that failed whole
     counts = {"index": first * G, "base": first - engine.version * P} | dict.fromkeys(COUNTS, 0) | (state or {})
     index, base, in_a_row, running, groups, idle = counts.pop("index"), counts.pop("base"), 0, {}, {}, None
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
@@ -492,9 +492,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                 pending.popleft()
 
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, state=None, dropped=0):
-    """Start the rollout process (trainer rank 0), and the servers unless cfg.server_urls names them. Weights go
-    to shared memory (torch, sglang in memory) or a directory per version (`write_weights`: disk). state, dropped:
-    what a checkpoint restores (produce; the groups dropped so far)."""
+    """Start the rollout process (trainer rank 0; state, dropped: a checkpoint's), and the servers unless
+    cfg.server_urls names them. Weights go to shared memory (torch, sglang in memory) or a directory per version."""
     ctx, procs, servers, write = mp.get_context("spawn"), [], None, None
     memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
     shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()} \
