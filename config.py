@@ -86,6 +86,7 @@ class Config:
     ppo_epochs: int = 1  # passes over each batch; more than one update makes the policy ratio and its clip matter
     max_staleness: int = 1  # max policy versions between sampling a token and training on it; 0 = on-policy
     queue_size: int = 32  # finished groups buffered between rollout and trainer (back-pressure beyond)
+    deterministic: bool = False  # async, reproducibly: weights change between batches only; resume is exact
     max_bad_steps: int = 3  # stop after this many steps in a row with a non-finite gradient norm (each skipped)
 
     def __post_init__(self):

@@ -64,9 +64,20 @@ def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
         logp = torch.log_softmax(logp.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf), dim=-1)
     return logp
 
-def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
-    """logits (B, V) -> ids (B,), logprobs (B,) under the filtered, renormalised distribution.
-    temperature 0 is greedy (its logprob is reported at temperature 1)."""
+def uniform(keys):
+    """keys (B, n) ints -> (B,) float64 in [0, 1): splitmix64 (Steele et al. 2014) folded over each row, a
+    counter-based generator: the draw for (seed, episode, call, position) depends on nothing else, not the batch,
+    the timing or the rows beside it, so an episode regenerated on resume samples the same tokens."""
+    h = np.zeros(len(keys), dtype=np.uint64)
+    for col in np.asarray(keys, dtype=np.int64).astype(np.uint64).T:  # numpy: uint64 (wrapping), 3x torch's speed
+        h = (h ^ col) + np.uint64(0x9E3779B97F4A7C15)
+        for s, m in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, 1)):
+            h = (h ^ (h >> np.uint64(s))) * np.uint64(m)
+    return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) / 2**53)  # the top 53 bits
+
+def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None, u=None):
+    """logits (B, V) -> ids (B,), logprobs (B,) under the filtered, renormalised distribution; u (B,): the rows'
+    uniforms (else drawn from generator). temperature 0 is greedy (its logprob is reported at temperature 1)."""
     if temperature == 0:
         logp = torch.log_softmax(logits.float(), dim=-1)
         ids = logp.argmax(-1)
@@ -76,7 +87,8 @@ def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None):
         # an exponential per vocabulary entry). The sum is in float64 and u stays below its total, so a token of
         # probability 0 is never picked.
         cdf = logp.exp().cumsum(-1, dtype=torch.float64)
-        u = torch.rand(len(cdf), 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+        u = torch.rand(len(cdf), generator=generator, dtype=cdf.dtype, device=cdf.device) if u is None else u
+        u = u.to(cdf)[:, None] * cdf[:, -1:]
         ids = torch.searchsorted(cdf, torch.minimum(u, cdf[:, -1:].nextafter(u.new_zeros(()))), right=True)[:, 0]
     return ids, logp.gather(-1, ids[:, None])[:, 0]
 
@@ -93,6 +105,7 @@ class _Request:
     versions: list
     slot: int = -1
     fed: int = 0  # tokens whose keys are in the cache
+    key: tuple = ()  # (episode, call): with the seed and a token's position, what its random draw is a function of
     images: torch.Tensor | None = None  # (N, C, H, W) for the prompt's placeholders; used by prefills only
 
 class TorchEngine:
@@ -114,11 +127,11 @@ class TorchEngine:
             self.stop_ids.add(self.c.image_token_id)  # the episode), else a re-prefill would splice a feature in
         self.shared_version, self.source, self.lock = version, source, lock or contextlib.nullcontext()  # shared
         self.version = version.value if version is not None else 0
-        self.generator = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + self.version)
+        self.requests = itertools.count()
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
         self.wake, self.tokens_generated, self.busy_s = asyncio.Event(), 0, 0.0
 
-    async def generate(self, ids, max_new_tokens=None, images=None) -> Completion:
+    async def generate(self, ids, max_new_tokens=None, images=None, key=None) -> Completion:
         """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
         if not ids or not all(isinstance(t, int) and 0 <= t < self.c.vocab_size for t in ids):  # fail this agent,
             raise ValueError(f"prompt ids must be ints in [0, {self.c.vocab_size})")  # not the engine's next step
@@ -126,7 +139,8 @@ class TorchEngine:
         if max_new <= 0:
             raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
         req = _Request(list(ids), len(ids), max_new, asyncio.get_running_loop().create_future(), [], [],
-                       images=None if images is None else images.to(self.cache.k.device))
+                       images=None if images is None else images.to(self.cache.k.device),
+                       key=key or (-1, next(self.requests)))  # without a Policy's key: the request's number
         self.waiting.append(req)
         self.wake.set()
         return await req.future
@@ -137,8 +151,6 @@ class TorchEngine:
         weights would sample (the trainer's recompute then matches it)."""
         self.model.load_state_dict(state, strict=False)
         self.version = version
-        # reseeding per version makes a batch's samples depend only on (seed, version): resumable runs
-        self.generator.manual_seed(self.seed * 1_000_003 + version)
         rows = [r for r in self.active.values() if r.fed > 0]
         if rows:  # no logits needed, only the keys
             self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows), prefill=True, logits=False)
@@ -194,7 +206,8 @@ class TorchEngine:
         return len(new) + len(rows)
 
     def _sample(self, rows, logits):
-        ids, logps = sample(logits, generator=self.generator, **self.sampling)
+        u = uniform([[self.seed, *r.key, len(r.ids)] for r in rows])  # (B,); len(r.ids): the new token's position
+        ids, logps = sample(logits, u=u, **self.sampling)
         self.tokens_generated += len(rows)
         for r, t, lp in zip(rows, ids.tolist(), logps.tolist()):
             r.ids.append(t)
@@ -218,15 +231,17 @@ class TorchEngine:
 class Policy:
     """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`. One per episode: it keeps
     what the engine was given and returned, to check the episode against (token identity)."""
-    def __init__(self, engine, tokenizer):
+    def __init__(self, engine, tokenizer, episode=None):
         self.engine, self.tokenizer, self.calls, self.closed = engine, tokenizer, [], False
+        self.keys = None if episode is None else zip(itertools.repeat(episode), itertools.count())  # (episode, call)
 
     async def generate(self, ids, max_new_tokens=None, images=None):
         """images: a list of (C, H, W) tensors in [0, 1], one per run of placeholders in ids, in order."""
         if self.closed:  # the episode timed out: an agent that swallowed its cancellation gets no more tokens
             raise RuntimeError("this episode has timed out; its policy is closed")
         images = check_images(ids, images, getattr(self.engine, "c", None))  # bad input fails here, in the agent
-        c = await self.engine.generate(ids, max_new_tokens, **({} if images is None else {"images": images}))
+        kw = ({} if images is None else {"images": images}) | ({} if self.keys is None else {"key": next(self.keys)})
+        c = await self.engine.generate(ids, max_new_tokens, **kw)
         self.calls.append((list(ids), c, images))
         return c
 
@@ -352,7 +367,7 @@ def unpack(item):
             m[k] = next(parts) if s >= 0 else None
     return msgs
 
-def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
+def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, state):
     """Entry of the rollout process. link (start_rollout): weights (shared; None on disk), version, lock, out_q,
     dropped, servers ([(url, log path or None)] or None: the torch engine)."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a trainer killed with -9 takes this process along
@@ -364,13 +379,13 @@ def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
     try:
         # not asyncio.run: on an error its cleanup cancels every task at once, and a tool subprocess cancelled
         # that way (CPython 3.11) never finishes, so the process would hang instead of exiting below
-        asyncio.new_event_loop().run_until_complete(_rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts))
+        asyncio.new_event_loop().run_until_complete(_rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state))
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # now: sys.exit would first wait for threads still blocked in HTTP calls to servers
 
-async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
+async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
     tok = _tokenizer(tokenizer_dir)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
                     max_len=cfg.engine_max_len, stop_ids=stop_ids(tok, tokenizer_dir), seed=cfg.seed,
@@ -391,28 +406,31 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, counts):
             model.lm_head.weight = model.model.embed_tokens.weight
         engine = TorchEngine(model, slots=cfg.engine_slots, source=link.weights if copy else None, **sampling)
     tasks = [asyncio.create_task(engine.run()), asyncio.create_task(
-        produce(cfg, engine, tok, link.out_q, link.dropped, start_index, model_cfg.vocab_size, counts))]
+        produce(cfg, engine, tok, link.out_q, link.dropped, start_index, model_cfg.vocab_size, state))]
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for t in tasks:
         t.cancel()
     for t in done:  # neither returns: an engine or producer error ends the rollout process
         t.result()
 
-async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, counts=None):
+async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, state=None):
     """Run agents and queue each group whole, once all its episodes ended (its advantages compare the whole
     group). Staleness bound: a group starts only while fewer groups are live (started, not all failed) than
-    (version + 1 + max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL."""
-    run, G, start_version = agent_mod.load_agent(cfg.task), cfg.group_size, engine.version
-    counts = dict.fromkeys(COUNTS, 0) | (counts or {})
+    (version + 1 + max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL.
+    state: a checkpoint's COUNTS (deterministic: and index, base). deterministic: once all admitted have ended,
+    {"idle": (version, dropped), "state"} follows the groups in the queue (for Rollout.settle)."""
+    run, G, P, S = agent_mod.load_agent(cfg.task), cfg.group_size, cfg.prompts_per_step, cfg.max_staleness
     first = -(-start_index // G)  # resume at the first group not yet started (whole groups only)
-    index, failed, in_a_row, running, groups = first * G, 0, 0, {}, {}
+    # base: the window's origin in groups, one later for each group that failed whole
+    counts = {"index": first * G, "base": first - engine.version * P} | dict.fromkeys(COUNTS, 0) | (state or {})
+    index, base, in_a_row, running, groups, idle = counts.pop("index"), counts.pop("base"), 0, {}, {}, None
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
     knobs = {k: getattr(cfg, k) for k in ("seed", "group_size", "guess_max", "max_turns", "tool_timeout",
                                           "tool_memory_mb", "image_size", "patch_size", "task_file", "arith_prompt")}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
 
     async def one(task, index):
-        llm = Policy(engine, tokenizer)
+        llm = Policy(engine, tokenizer, index)
         endpoint.attach(server, llm)  # llm.base_url, llm.api_key, llm.model for chat agents
         agent_task = asyncio.ensure_future(run(task, llm))
         if not (await asyncio.wait([agent_task], timeout=cfg.episode_timeout))[0]:
@@ -438,10 +456,13 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
     while True:
         published = engine.shared_version.value if engine.shared_version is not None else engine.version
-        allowed_groups = (published - start_version + 1 + cfg.max_staleness) * cfg.prompts_per_step + dropped.value
-        while len(running) < cfg.concurrent_agents and (index // G - first) - failed < allowed_groups:  # live ones
+        drops = dropped.value
+        while len(running) < cfg.concurrent_agents and index // G < base + drops + (published + 1 + S) * P:
             running[asyncio.create_task(one(agent_mod.make_task(cfg.task, index, **knobs), index))] = index
             index += 1
+        if cfg.deterministic and not running and idle != (published, drops):  # a state to resume from
+            idle = (published, drops)
+            pending.append({"idle": idle, "state": dict(counts, index=index, base=base)})
         done = (await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED))[0] if running \
             else await asyncio.sleep(0.01, ())  # asyncio.wait takes no empty set
         for t in done:
@@ -460,11 +481,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             groups.setdefault(i // G, []).append(msgs)
             if len(groups[i // G]) == G:  # the group has ended: send what is left of it, or let another group start
                 kept = sorted((m for ms in groups.pop(i // G) for m in ms), key=lambda m: m["index"])
-                if kept:
-                    pending.append(pack(kept))
-                    in_a_row = 0
-                    continue
-                failed, in_a_row = failed + 1, in_a_row + 1
+                pending.extend([pack(kept)] if kept else [])
+                base, in_a_row = (base, 0) if kept else (base + 1, in_a_row + 1)  # a failed group frees its place
                 if in_a_row >= cfg.max_failed_groups:  # an agent that always fails would have us spin for good
                     raise RuntimeError(f"{in_a_row} groups in a row had no episode that did not fail "
                                        f"(max_failed_groups); the last error: {err!r}")
@@ -473,9 +491,9 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                 out_q.put_nowait(pending[0])
                 pending.popleft()
 
-def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, counts=None):
-    """Start the rollout process (trainer rank 0), and the servers unless cfg.server_urls names them. Weights go
-    to shared memory (torch, sglang in memory) or a directory per version (`write_weights`: disk)."""
+def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, state=None, dropped=0):
+    """Start the rollout process (trainer rank 0; state, dropped: a checkpoint's), and the servers unless
+    cfg.server_urls names them. Weights go to shared memory (torch, sglang in memory) or a directory per version."""
     ctx, procs, servers, write = mp.get_context("spawn"), [], None, None
     memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
     shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()} \
@@ -492,23 +510,42 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
             proc, url = start_server(cfg.engine, first, cfg, log, moe=model_cfg.num_experts > 0)
             procs, servers = [(proc, log)], [(url, log)]
     link = types.SimpleNamespace(weights=shared, version=ctx.Value("l", start_version), lock=ctx.Lock(),
-                                 out_q=ctx.Queue(maxsize=cfg.queue_size), dropped=ctx.Value("l", 0), servers=servers)
+                                 out_q=ctx.Queue(maxsize=cfg.queue_size), dropped=ctx.Value("l", dropped),
+                                 servers=servers)
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
-                       args=(cfg, model_cfg, link, start_index, tokenizer_dir, counts))
+                       args=(cfg, model_cfg, link, start_index, tokenizer_dir, state))
     proc.start()
-    return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write)
+    return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write,
+                   cfg.deterministic)
 
 class Rollout:
     """The trainer's handle on the rollout process (and on the inference servers it started)."""
-    def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None):
+    def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None, deterministic=False):
         self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
         self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
+        self.held, self.idle, self.deterministic = deque(), None, deterministic  # held: settled groups, untrained
 
     def get(self, timeout=1.0):
         """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
-        rollout process or a server it uses died."""
+        rollout process or a server it uses died. deterministic: the settled groups, in data order."""
+        if self.deterministic and not self.held:
+            self.settle()
+        item = self.held.popleft() if self.held else None if self.deterministic else self._next(timeout)
+        return None if item is None else unpack(item)
+
+    def settle(self):
+        """deterministic: wait for the rollout to report that all the published version admitted has ended, every
+        drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`)."""
+        while self.idle is None or self.idle["idle"] != (self.version.value, self.dropped.value):
+            if (item := self._next(1.0)) is not None:  # a group (packed: the checkpoint saves it so) or the report
+                self.held.extend([] if "idle" in item else [item])
+                self.idle = item if "idle" in item else self.idle
+        self.held = deque(sorted(self.held, key=lambda item: item["msgs"][0]["index"]))
+        return self.idle["state"]
+
+    def _next(self, timeout):
         try:
-            return unpack(self.q.get(timeout=timeout))
+            return self.q.get(timeout=timeout)
         except (OSError, EOFError) as e:  # the sender died while the item's tensors were being handed over
             raise RuntimeError(f"rollout process died while sending episodes ({e!r})") from e
         except queue_mod.Empty:
@@ -648,13 +685,14 @@ class ServerEngine:
         self.calls, self.in_flight, self.t_busy, self.tokens_generated, self.busy_s = itertools.count(), 0, 0.0, 0, 0.0
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
-    async def generate(self, ids, max_new_tokens=None) -> Completion:
+    async def generate(self, ids, max_new_tokens=None, key=None) -> Completion:
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
         if max_new <= 0:
             raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
         await self.open.wait()  # closed while the servers change weights
         version, i = self.version, next(self.calls)
-        p = dict(self.params, max_new_tokens=max_new, seed=(self.seed * 1_000_003 + i) % 2**31)
+        seed = int(uniform([[self.seed, *(key or (-1, i))]])[0] * 2**31)  # per request, as the torch
+        p = dict(self.params, max_new_tokens=max_new, seed=seed)  # engine's draws (the servers' sampling_seed, seed)
         self._count(+1)
         try:
             out, logprobs, experts = await self._submit(i % len(self.urls), [*ids], p)

@@ -454,8 +454,10 @@ def main(argv=None):
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(config.to_dict(cfg), f, indent=2)
         if not cfg.replay:
+            resume = state.get("resume") or {}  # deterministic: the settled groups, the admission state
             ro = rollout.start_rollout(cfg, model.config, weights, step, state["data_position"], tokenizer_dir,
-                                       state["rollout_counts"])
+                                       resume.get("rollout", state["rollout_counts"]), resume.get("dropped", 0))
+            ro.held.extend(resume.get("held", []))
     last_generated, last_t = 0, time.perf_counter()
     try:
         while step < cfg.max_steps:
@@ -497,6 +499,9 @@ def main(argv=None):
             t_train, t_hand = time.perf_counter() - t_train, t_train - t_step - wait  # hand-out: advantages, shares
             step += 1
             # ---- 5. publish weights as version `step`; log; checkpoint ----
+            if ro is not None and cfg.deterministic:  # publish once all the last version admitted has ended; a
+                # checkpoint from here to the next publish resumes from the rollout's state and the groups held now
+                state["resume"] = {"rollout": ro.settle(), "held": list(ro.held), "dropped": ro.dropped.value}
             t_sync = time.perf_counter()
             weights = full_state(model, fsdp, changed)
             if ro is not None:
