@@ -84,12 +84,10 @@ class Episode:
     reward: float = 0.0
     info: dict = field(default_factory=dict)  # numbers to log (turns, tool_errors, ...)
     images: list = field(default_factory=list)  # (C, H, W) float tensors in [0, 1], in the order of their placeholders
-
     def append(self, ids: list[int]) -> None:
         """Prompt, tool or environment tokens: in the sequence, never trained on."""
         self.ids += ids
         self.loss_mask += [0] * len(ids)
-
     def append_image(self, image: torch.Tensor, ids: list[int]) -> None:
         """An image observation: ids hold its placeholders (<|image_pad|> once per patch, see count), with
         any text around them; mask 0 like every observation. The engine checks the shape against the model."""
@@ -98,12 +96,10 @@ class Episode:
             raise ValueError(f"an image must be a float tensor (C, H, W) in [0, 1], got {got}")
         self.append(ids)
         self.images.append(image)
-
     def append_completion(self, c) -> None:
         """An engine result for prompt = self.ids: its sampled ids c.ids, trained on."""
         self.ids += c.ids
         self.loss_mask += [1] * len(c.ids)
-
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError on an episode the trainer must not see."""
         if len(self.ids) != len(self.loss_mask):
@@ -206,7 +202,6 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
         stream = asyncio.StreamReader()
         pipe, _ = await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), out)
         half, head, tail, total = max_output // 2, b"", b"", 0
-
         async def drain():  # keep the first and last max_output/2 bytes, drop the middle as it streams by
             nonlocal head, tail, total
             while chunk := await stream.read(1 << 16):

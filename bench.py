@@ -127,7 +127,6 @@ def bench_trainer():
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=cfg.lr)
     b = train.collate(msgs, "cpu")
     ids, mask, A, tokens = b["ids"], b["loss_mask"][:, 1:], adv[:, None], sum(len(m["ids"]) for m in msgs)
-
     def plain():
         plain_opt.zero_grad(set_to_none=True)
         logp = torch.log_softmax(plain_model(ids)[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
@@ -155,14 +154,12 @@ def bench_engine():
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(c.vocab_size, (int(n),), generator=g) for n in torch.randint(16, 33, (64,), generator=g)]
-
     async def serve(ps):  # every request at once, as concurrent agents send them, while the engine's loop runs
         e = rollout.TorchEngine(ours, slots=64, max_len=32 + new, max_new_tokens=new, seed=0)
         loop = asyncio.create_task(e.run())
         outs = await asyncio.gather(*(e.generate(p.tolist()) for p in ps))
         loop.cancel()
         assert all(len(o.ids) == new and (o.routing is None) == (c.num_experts == 0) for o in outs)
-
     def generate(ps):  # -1 marks padding; min_new_tokens pins the length (there is no eos anyway)
         ids = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True, padding_value=-1, padding_side="left")
         out = hf.generate(ids.clamp(min=0), attention_mask=(ids >= 0).long(), do_sample=True, max_new_tokens=new,
@@ -185,7 +182,6 @@ def bench_endpoint():
     agent.make_tokenizer(d)
     tok, ask, turn = rollout._tokenizer(d), agent.GUESS_PROMPT.format(7), {"role": "user", "content": "4 is too low"}
     model = Transformer(ModelConfig(vocab_size=len(tok), num_experts=8, max_position_embeddings=256)).init_weights(0)
-
     async def chat(llm):  # a client as calc makes one; the episode is the endpoint's record
         msgs = [{"role": "user", "content": ask}]
         async with agent.openai_client(llm) as client:
@@ -193,14 +189,12 @@ def bench_endpoint():
                 m = (await client.chat.completions.create(model=llm.model, messages=msgs)).choices[0].message
                 msgs += [m.model_dump(exclude_none=True), turn]
         return [rollout.check_tokens(*s) for s in endpoint.segments(llm, 0.0)]
-
     async def tokens(llm):  # the same turns as token ids
         ep = agent.Episode(ids=(p := agent.prompt_ids(tok, ask)), loss_mask=[0] * len(p))
         for _ in range(3):
             await agent.model_turn(llm, ep)
             ep.append(agent.turn_suffix(tok, turn["content"]))
         return rollout.check_tokens(ep, llm.calls)
-
     async def episodes(fn, new):  # n at once; no stop token: every turn samples `new` tokens
         engine = rollout.TorchEngine(model, slots=n, max_len=256, max_new_tokens=new)
         server, loop = await endpoint.serve(tok, {}), asyncio.create_task(engine.run())  # {}: no sampling is sent

@@ -88,7 +88,6 @@ class Config:
     queue_size: int = 32  # finished groups buffered between rollout and trainer (back-pressure beyond)
     deterministic: bool = False  # async, reproducibly: weights change between batches only; resume is exact
     max_bad_steps: int = 3  # stop after this many steps in a row with a non-finite gradient norm (each skipped)
-
     def __post_init__(self):
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step

@@ -53,25 +53,20 @@ class ModelConfig:
     image_channels: int = 3
     patch_size: int = 4  # an image gives (image_size / patch_size)^2 features, one per placeholder token
     image_token_id: int = -1  # id of <|image_pad|>; -1: none
-
     def is_moe_layer(self, i):
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
-
     @property
     def n_moe_layers(self):
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-
     @property
     def n_patches(self):  # features (and placeholder tokens) per image
         return (self.image_size // self.patch_size) ** 2
-
     @classmethod
     def load(cls, path):
         cfg_path = Path(path, "config.json")
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
         return cls.from_hf(json.loads(cfg_path.read_text()), cfg_path)
-
     @classmethod
     def from_hf(cls, d, path="config.json"):
         arch = (d.get("architectures") or ["?"])[0]
@@ -90,7 +85,6 @@ class ModelConfig:
             rope_scaling={k: rope[k] for k in LLAMA3_ROPE} if rope["rope_type"] == "llama3" else None,
             head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
             num_experts=d.get("num_experts", d.get("num_local_experts", 0)) if "Moe" in arch else 0))
-
     def to_hf(self):
         # vision fields only for a model that has an encoder: a text-only config.json stays as it was
         skip = ("family", "rope_scaling") + (() if self.vision_layers else VISION_FIELDS)
@@ -106,7 +100,6 @@ class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
-
     def forward(self, x):  # normalise in fp32 like the reference, then scale in the input dtype
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
@@ -130,7 +123,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.attention_bias)
         norm = (lambda: RMSNorm(self.hd, c.rms_norm_eps)) if c.family == "qwen3" else nn.Identity  # per head
         self.q_norm, self.k_norm = norm(), norm()
-
     def forward(self, x, cos, sin, mask, cache=None):
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
@@ -148,7 +140,6 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (nn.Linear(i, o, bias=False)
                                                         for i, o in ((dim, hidden), (dim, hidden), (hidden, dim)))
-
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -160,7 +151,6 @@ class LoRALinear(nn.Module):
         self.weight, self.bias, self.scale = base.weight, base.bias, scale
         self.lora_A = nn.Parameter(base.weight.new_empty(rank, base.in_features).normal_(0, base.in_features ** -0.5))
         self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, rank))
-
     def forward(self, x):
         return F.linear(x, self.weight, self.bias) + self.scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
 
@@ -193,7 +183,6 @@ class MoE(nn.Module):
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = nn.Linear(H, E, bias=False)  # the router
         self.w_gate, self.w_up, self.w_down = (nn.Parameter(torch.empty(E, *s)) for s in ((I, H), (I, H), (H, I)))
-
     def forward(self, x, replay=None, aux_mask=None):
         """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: tokens aux_loss counts (None: all)."""
         shape = x.shape
@@ -246,7 +235,6 @@ class Block(nn.Module):
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MoE(c) if c.is_moe_layer(i) else MLP(c.hidden_size, c.intermediate_size)
-
     def forward(self, x, cos, sin, mask, cache=None, replay=None, aux_mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         h = self.post_attention_layernorm(x)
@@ -259,7 +247,6 @@ class KVCache:
     def __init__(self, c: ModelConfig, n_slots, max_len, dtype=torch.float32, device="cpu"):
         shape = (c.num_hidden_layers, n_slots, c.num_key_value_heads, max_len, c.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-
     def bind(self, slots, positions):
         """For one forward of rows in slots (B,) at positions (B, T): -> n_keys and update(i, k, v), which writes
         layer i's k, v (B, nkv, T, hd) in and returns the slots' keys and values (B, nkv, n_keys, hd)."""
@@ -271,7 +258,6 @@ class KVCache:
         at = ((slots[:, None, None] * nkv + heads) * L + positions[:, None]).flatten()  # (B * nkv * T,)
         # slots first, first+1, ... (the engine's rows when all slots are busy): read them as a view, no copy
         in_order = torch.equal(slots, torch.arange(first, first + B, device=slots.device))
-
         def update(i, k, v):
             for cache, new in ((self.k[i], k), (self.v[i], v)):
                 cache.view(-1, hd).index_copy_(0, at, new.reshape(-1, hd))
@@ -294,7 +280,6 @@ class VisionEncoder(nn.Module):
         self.norm = RMSNorm(D, c.rms_norm_eps)
         self.proj_in = nn.Linear(D, c.hidden_size, bias=False)
         self.proj_out = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
-
     def forward(self, images):
         x = images.unfold(2, self.p, self.p).unfold(3, self.p, self.p)  # (N, C, H/p, W/p, p, p)
         x = x.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # (N, n_patches, C * p * p), in raster order
@@ -316,14 +301,12 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         if c.vision_layers:
             self.visual = VisionEncoder(c)  # keys visual.*: transformers loading the text part ignores them
-
     def init_weights(self, seed=0, std=0.02):
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             with torch.no_grad():
                 p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * std)
         return self
-
     def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,
                 return_routing=False, embeds=None, images=None, logits_at=None, aux_mask=None):
         """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)].
@@ -397,7 +380,6 @@ class Transformer(nn.Module):
         if c.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         return model
-
     def save_pretrained(self, path, state_dict=None):
         """Write config.json + model.safetensors. state_dict: a full (gathered) state dict, for FSDP."""
         save_pretrained(path, self.config, self.state_dict() if state_dict is None else state_dict)

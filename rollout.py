@@ -130,7 +130,6 @@ class TorchEngine:
         self.requests = itertools.count()
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
         self.wake, self.tokens_generated, self.busy_s = asyncio.Event(), 0, 0.0
-
     async def generate(self, ids, max_new_tokens=None, images=None, key=None) -> Completion:
         """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
         if not ids or not all(isinstance(t, int) and 0 <= t < self.c.vocab_size for t in ids):  # fail this agent,
@@ -144,7 +143,6 @@ class TorchEngine:
         self.waiting.append(req)
         self.wake.set()
         return await req.future
-
     def set_weights(self, state, version):
         """Load new weights (a state dict; {} when the shared tensors already hold them) as `version`. The rows in
         flight go on under them, their keys recomputed, so every token tagged `version` is exactly what those
@@ -154,7 +152,6 @@ class TorchEngine:
         rows = [r for r in self.active.values() if r.fed > 0]
         if rows:  # no logits needed, only the keys
             self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows), prefill=True, logits=False)
-
     @torch.inference_mode()  # not no_grad: it also skips autograd's view and version tracking
     def _forward(self, rows, chunks, start, prefill=False, logits=True):
         """-> logits (B, V) at each row's last chunk token. prefill: the chunks hold every placeholder, so images go
@@ -183,7 +180,6 @@ class TorchEngine:
                     routing.permute(1, 2, 0, 3).to("cpu", torch.int16)[real]  # (n_real, n_moe, k)
             i += n
         return torch.cat(out) if logits else None
-
     def step(self):
         """One engine iteration. Returns the number of rows that decoded."""
         t0 = time.perf_counter()
@@ -204,7 +200,6 @@ class TorchEngine:
                 self._sample(rows, self._forward(rows, [r.ids[-1:] for r in rows], [r.fed for r in rows]))
         self.busy_s += time.perf_counter() - t0
         return len(new) + len(rows)
-
     def _sample(self, rows, logits):
         u = uniform([[self.seed, *r.key, len(r.ids)] for r in rows])  # (B,); len(r.ids): the new token's position
         ids, logps = sample(logits, u=u, **self.sampling)
@@ -219,7 +214,6 @@ class TorchEngine:
                 routing = self.routing[r.slot, :len(r.ids)].clone() if self.routing is not None else None
                 if not r.future.done():  # an agent cancelled by its timeout no longer waits
                     r.future.set_result(Completion(r.ids[r.prompt_len:], r.logprobs, r.versions, routing))
-
     async def run(self):
         while True:
             if not self.waiting and not self.active:
@@ -234,7 +228,6 @@ class Policy:
     def __init__(self, engine, tokenizer, episode=None):
         self.engine, self.tokenizer, self.calls, self.closed = engine, tokenizer, [], False
         self.keys = None if episode is None else zip(itertools.repeat(episode), itertools.count())  # (episode, call)
-
     async def generate(self, ids, max_new_tokens=None, images=None):
         """images: a list of (C, H, W) tensors in [0, 1], one per run of placeholders in ids, in order."""
         if self.closed:  # the episode timed out: an agent that swallowed its cancellation gets no more tokens
@@ -428,7 +421,6 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     knobs = {k: getattr(cfg, k) for k in ("seed", "group_size", "guess_max", "max_turns", "tool_timeout",
                                           "tool_memory_mb", "image_size", "patch_size", "task_file", "arith_prompt")}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
-
     async def one(task, index):
         llm = Policy(engine, tokenizer, index)
         endpoint.attach(server, llm)  # llm.base_url, llm.api_key, llm.model for chat agents
@@ -524,7 +516,6 @@ class Rollout:
         self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
         self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
         self.held, self.idle, self.deterministic = deque(), None, deterministic  # held: settled groups, untrained
-
     def get(self, timeout=1.0):
         """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
         rollout process or a server it uses died. deterministic: the settled groups, in data order."""
@@ -532,7 +523,6 @@ class Rollout:
             self.settle()
         item = self.held.popleft() if self.held else None if self.deterministic else self._next(timeout)
         return None if item is None else unpack(item)
-
     def settle(self):
         """deterministic: wait for the rollout to report that all the published version admitted has ended, every
         drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`)."""
@@ -542,7 +532,6 @@ class Rollout:
                 self.idle = item if "idle" in item else self.idle
         self.held = deque(sorted(self.held, key=lambda item: item["msgs"][0]["index"]))
         return self.idle["state"]
-
     def _next(self, timeout):
         try:
             return self.q.get(timeout=timeout)
@@ -555,7 +544,6 @@ class Rollout:
             if not self.proc.is_alive():
                 raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}); its traceback is above")
             return None
-
     def publish(self, state, version):
         """Hand new weights to the engine as `version`: copied into its shared tensors (torch; sglang in
         memory: the rollout process broadcasts them), or written as a directory the servers load (disk)."""
@@ -572,12 +560,10 @@ class Rollout:
             self.version.value = version
         finally:
             self.lock.release()
-
     def drop(self, n):
         """The trainer dropped n groups (all their episodes too stale): let the rollout start n more."""
         with self.dropped.get_lock():
             self.dropped.value += n
-
     def close(self):
         if self.proc.is_alive():
             self.proc.kill()
@@ -684,7 +670,6 @@ class ServerEngine:
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
         self.calls, self.in_flight, self.t_busy, self.tokens_generated, self.busy_s = itertools.count(), 0, 0.0, 0, 0.0
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
-
     async def generate(self, ids, max_new_tokens=None, key=None) -> Completion:
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
         if max_new <= 0:
@@ -707,7 +692,6 @@ class ServerEngine:
             # (T, n_moe_layers, k) as Completion has it: -1 for the last sampled token, never fed
             routing = torch.cat([routing, routing.new_full((1, *routing.shape[1:]), -1)])
         return Completion(out, logprobs, [version] * len(out), routing)
-
     def _submit(self, k, ids, p):
         """-> a future of server k's answer. Where the server takes lists, the requests of one event-loop tick share
         a call: its send runs after every agent woken in that tick (by the last call's answers) has asked."""
@@ -716,7 +700,6 @@ class ServerEngine:
             asyncio.ensure_future(self._send(k, self.queued[k]))  # held by the loop, then by its HTTP call
         self.queued[k].append((ids, p, asyncio.get_running_loop().create_future()))
         return self.queued[k][-1][2]
-
     async def _send(self, k, batch):
         if self.queued[k] is batch:  # closed: later requests start the next one
             self.queued[k] = []
@@ -727,14 +710,12 @@ class ServerEngine:
         for (*_, fut), out in zip(batch, outs):
             if not fut.done():  # its agent was cancelled meanwhile
                 fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
-
     def _count(self, d):
         """Requests in flight: busy_s is the time with at least one; `idle` is set when there are none."""
         now = time.perf_counter()
         self.busy_s += now - self.t_busy if self.in_flight else 0.0
         self.in_flight, self.t_busy = self.in_flight + d, now
         self.idle.set() if self.in_flight == 0 else self.idle.clear()
-
     async def _call(self, k, fn, *args):
         """fn(url of server k, *args) in a thread; any failure is a ServerError naming the server, with its log."""
         try:
@@ -744,7 +725,6 @@ class ServerEngine:
                               f"{log_tail(self.logs[k])}") from e
         except OSError as e:  # refused, reset, timed out
             raise ServerError(f"server {self.urls[k]} is unreachable ({e}){log_tail(self.logs[k])}") from e
-
     async def run(self):
         """On a new shared version: close admission, wait for the requests in flight, move every server to
         it (in memory or from its directory), reopen. Tokens sampled after that are tagged with it."""
@@ -765,7 +745,6 @@ class ServerEngine:
                         shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
             self.open.set()
             await asyncio.sleep(0.01)
-
     async def _sync_in_memory(self):
         """Broadcast the shared tensors to every server -> their version. The first call forms the group."""
         loop, n, gloo = asyncio.get_running_loop(), len(self.urls), self.sync == "gloo"
@@ -787,7 +766,6 @@ class ServerEngine:
                 dict(join, rank_offset=k + 1)) for k in range(n)))  # each join answers once all ranks joined
             self.meta = {"names": list(self.hf), "dtypes": [str(t.dtype)[6:] for t in self.hf.values()],  # "torch.x"
                          "shapes": [list(t.shape) for t in self.hf.values()], "group_name": name, "flush_cache": True}
-
         def broadcast():  # in a thread, under the weights lock (the trainer never writes mid-broadcast)
             with self.lock:
                 for t in self.hf.values():
