@@ -1,6 +1,6 @@
-"""python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each
-as measured, baseline and ratio. trainer: CPU 0, one thread; the others all cores (scale, memory, flops: commit
-8482101; moe, publish: d207298). On a shared machine one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py X"""
+"""python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each as
+measured, baseline and ratio. trainer: CPU 0, one thread; the others all cores (scale, memory, flops: commit 8482101;
+moe, publish: d207298). On a shared machine one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py X"""
 import argparse
 import asyncio
 import collections

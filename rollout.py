@@ -1,10 +1,8 @@
-"""
-rollout.py: generation. The embedded torch engine (continuous batching over a slot KV cache), the rollout process
+"""rollout.py: generation. The embedded torch engine (continuous batching over a slot KV cache), the rollout process
 that runs agents against it, the bounded shared-memory queue to the trainer, and the vLLM / SGLang server engines
 (last section), all behind `await generate(ids)`. Every generated token comes back with its logprob under the
-distribution it was sampled from, the version of the weights that sampled it and, for MoE, its experts. Weights
-live in shared memory: the trainer copies new ones in under a lock and bumps the version; the engine sees them
-between decode steps."""
+distribution it was sampled from, the version of the weights that sampled it and, for MoE, its experts. Weights live
+in shared memory: the trainer copies new ones in under a lock, bumps the version; the engine sees them between steps."""
 import asyncio
 import base64
 import concurrent.futures
@@ -50,9 +48,8 @@ class Completion:
     routing: torch.Tensor | None  # (len(prompt) + len(ids), n_moe_layers, top_k) int16, -1 where not computed
 
 def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
-    """logits (B, V) -> logprobs (B, V) of the distribution sampled from: temperature, then top-k, then top-p
-    over the renormalised top-k (the order vLLM, SGLang and transformers use); -inf outside the filter. The
-    engine samples from it and the trainer recomputes with it, so both score a token under the same distribution."""
+    """logits (B, V) -> logprobs (B, V) sampled from: temperature, top-k, then top-p over the renormalised top-k
+    (vLLM's, SGLang's and transformers' order); -inf outside. Engine and trainer both use it: one distribution."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     if 0 < top_k < logp.shape[-1]:
         kth = logp.topk(top_k, dim=-1).values[:, -1:]
@@ -83,9 +80,8 @@ def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None, u=None):
         ids = logp.argmax(-1)
     else:
         logp = filtered_logp(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-        # inverse-CDF sampling: one uniform per row against the running sum of probabilities (multinomial draws
-        # an exponential per vocabulary entry). The sum is in float64 and u stays below its total, so a token of
-        # probability 0 is never picked.
+        # inverse-CDF sampling: one uniform per row against the running sum of probabilities (multinomial draws one
+        # exponential per entry); the sum is float64 and u stays below its total: a probability-0 token is never picked
         cdf = logp.exp().cumsum(-1, dtype=torch.float64)
         u = torch.rand(len(cdf), generator=generator, dtype=cdf.dtype, device=cdf.device) if u is None else u
         u = u.to(cdf)[:, None] * cdf[:, -1:]
@@ -144,9 +140,8 @@ class TorchEngine:
         self.wake.set()
         return await req.future
     def set_weights(self, state, version):
-        """Load new weights (a state dict; {} when the shared tensors already hold them) as `version`. The rows in
-        flight go on under them, their keys recomputed, so every token tagged `version` is exactly what those
-        weights would sample (the trainer's recompute then matches it)."""
+        """Load new weights (a state dict; {}: the shared tensors hold them) as `version`. Rows in flight go on with
+        their keys recomputed: a token tagged `version` is exactly what those weights sample (the recompute matches)."""
         self.model.load_state_dict(state, strict=False)
         self.version = version
         rows = [r for r in self.active.values() if r.fed > 0]
@@ -239,9 +234,8 @@ class Policy:
         return c
 
 def check_images(ids, images, c):
-    """-> the images as one tensor (N, C, H, W), or None. A ValueError for what the model cannot take:
-    images it has no encoder for, a wrong shape or range, placeholders that are not n_patches per image.
-    c: the engine's ModelConfig (None: an engine that takes no images)."""
+    """-> the images as one tensor (N, C, H, W), or None. c: the engine's ModelConfig (None: it takes no images). A
+    ValueError for images without an encoder, a wrong shape or range, placeholders that are not n_patches per image."""
     images = list(images if images is not None else [])
     if c is None or not c.vision_layers:
         if images:
@@ -776,9 +770,8 @@ class ServerEngine:
         return version
 
 def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
-    """The trainer's full state dict as a Hugging Face directory `<weights_dir>/v<version>`, written under a
-    temporary name and renamed (no server reads half of one). The embeddings are written untied, lm_head as
-    its own tensor: vLLM's in-place reload does not load a tied lm_head. -> its path"""
+    """The trainer's full state dict as a Hugging Face directory `<weights_dir>/v<version>` -> its path; written under
+    a temporary name, renamed (no server reads half of one); lm_head untied: vLLM's in-place reload skips a tied one."""
     final = os.path.join(weights_dir, f"v{version}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

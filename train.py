@@ -1,5 +1,4 @@
-"""
-train.py: the one asynchronous RL loop. FSDP2 trainer; rank 0 owns the rollout process.
+"""train.py: the one asynchronous RL loop. FSDP2 trainer; rank 0 owns the rollout process.
 
 Algorithm, per optimizer step v (weights version v -> v+1):
   1. take prompts_per_step finished groups from the rollout queue (sampled by versions v - max_staleness .. v;
@@ -39,9 +38,8 @@ from model_moe import LoRALinear, ModelConfig, Transformer, add_lora, convert_gg
 # ---- distributed: the same script runs under python and torchrun ----
 
 def compute_init(cfg):
-    """-> (rank, world, device, fsdp). Under torchrun one process group serving both devices (a CPU tensor
-    in a collective needs gloo even on GPUs). One process with dtype != float32 gets a group of one, so that
-    mixed precision (fp32 master weights, `dtype` compute) goes through FSDP2 there too."""
+    """-> (rank, world, device, fsdp). Under torchrun one group for both devices (a CPU tensor in a collective needs
+    gloo); one process with dtype != float32 gets a group of one, so mixed precision goes through FSDP2."""
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -105,10 +103,9 @@ def tiny_init(cfg, rank, fsdp):
     return path
 
 def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
-    """The policy (or, frozen, a reference or teacher) from a Hugging Face directory. Under FSDP it is built on
-    the meta device and sharded first; rank 0 reads the file and the others receive their shards, so no rank
-    holds a second full copy. Parameters are float32 (the master weights); `dtype` is the compute dtype.
-    LoRA (the policy): adapters on a frozen base, sharded with it; `adapters` (rank 0): a resumed run's, else fresh."""
+    """The policy (frozen: a reference or teacher) from a HF directory. FSDP: built on the meta device, sharded; rank 0
+    reads the file, the others receive their shards (no rank holds a second full copy). float32 master weights; `dtype`
+    computes. LoRA: adapters on a frozen base, sharded with it; `adapters`: a resumed run's (rank 0)."""
     targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen else []  # none: add_lora changes nothing
     adapt = lambda m: add_lora(m, cfg.lora_rank, cfg.lora_alpha / max(cfg.lora_rank, 1), targets)
     if fsdp:
@@ -154,10 +151,9 @@ EMPTY = {"ids": torch.zeros(2, dtype=torch.long), "loss_mask": torch.zeros(2), "
          "logprobs": torch.zeros(2), "routing": None, "engine_ids": torch.zeros(0, dtype=torch.long), "index": -1}
 
 def split_batch(msgs, advantages, world, budget):
-    """The episodes of one update -> per rank, a list of micro-batches of (msg, advantage) pairs. Sorted by
-    length and dealt in turn, so the ranks get similar work and a micro-batch pads little; a micro-batch
-    holds at most `budget` padded tokens (or one episode). Every rank gets the same number of micro-batches,
-    some maybe empty: FSDP's collectives pair up forward by forward across the ranks."""
+    """The episodes of one update -> per rank, a list of micro-batches of (msg, advantage) pairs. Sorted by length
+    and dealt in turn: the ranks get similar work, a micro-batch pads little and holds at most `budget` padded tokens
+    (or one episode). Every rank gets as many micro-batches (some maybe empty): FSDP's collectives pair up."""
     pairs = sorted(zip(msgs, advantages), key=lambda p: -len(p[0]["ids"]))
     ranks = [[] for _ in range(world)]
     for r, mbs in enumerate(ranks):
@@ -181,9 +177,8 @@ def make_shares(msgs, advantages, world, cfg):
 # ---- one optimizer step: recompute -> loss -> metrics ----
 
 def token_logp(model, b, cfg, logits=None, filtered=True):
-    """-> logits (n, V) at the positions whose next token is trained, and logp (B, T-1) of each trained token
-    (0 elsewhere) under the distribution the engine sampled from (temperature, then top-k and top-p unless
-    filtered=False: the KL to a reference compares the models, not the samplers)."""
+    """-> logits (n, V) before each trained token; logp (B, T-1) of each (0 elsewhere) under the engine's filter
+    (temperature, top-k, top-p; filtered=False: temperature only: a KL to a reference compares models, not samplers)."""
     sel, ids = b["loss_mask"][:, 1:].bool(), b["ids"]  # token t is predicted at position t-1
     at = F.pad(sel, (0, 1))
     if logits is None:
@@ -195,8 +190,7 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
     return logits, torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, tok_logp)
 
 def micro_loss(model, b, cfg, counts, adv, world):
-    """-> (loss to backward, this micro-batch's loss metrics (LOSS_KEYS), pi_old's logp). b may hold the recompute
-    ("old_logp", "ref_logp")."""
+    """-> (loss to backward, its loss metrics (LOSS_KEYS), pi_old's logp); b may hold the recompute (old_logp, ...)."""
     mask = b["loss_mask"][:, 1:]
     logits, logp = token_logp(model, b, cfg)  # experts replayed
     old = b.get("old_logp", logp.detach())
