@@ -208,7 +208,6 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
                 total += len(chunk)
                 keep = max(half - len(head), 0)
                 head, tail = head + chunk[:keep], (tail + chunk[keep:])[-half:]
-
         reader, timed_out = asyncio.ensure_future(drain()), False
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)

@@ -7,8 +7,7 @@ one keyword-only signature per family, chosen by name from the dict beside them:
     loss    = AGGREGATIONS[name](per_token=w * loss + beta * KL[k](...), loss_mask=..., ...)
 
 Per-token tensors are [B, T]; logp is the log-prob of the token sampled at each position. loss_mask is 1 on
-tokens the policy sampled, 0 on prompt, tool, environment and padding tokens; every average is over those.
-"""
+tokens the policy sampled, 0 on prompt, tool, environment and padding tokens; every average is over those."""
 import torch
 from torch import Tensor
 
@@ -70,9 +69,9 @@ def batch_mean(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 def distill_advantage(*, teacher_logp: Tensor, old_logp: Tensor, loss_mask: Tensor) -> Tensor:
     """On-policy distillation (Agarwal et al. 2024, https://arxiv.org/abs/2306.13649; Thinking Machines 2025,
-    https://thinkingmachines.ai/blog/on-policy-distillation): each token the student sampled gets the advantage
-    log pi_teacher - log pi_student, [B, T], so the policy gradient descends the per-token reverse KL(student ||
-    teacher); 0 where loss_mask is 0. Per token, so not in ADVANTAGES (advantage="opd" adds it to GRPO's)."""
+    https://thinkingmachines.ai/blog/on-policy-distillation): each token the student sampled gets the advantage log
+    pi_teacher - log pi_student, [B, T], so the policy gradient descends the per-token reverse KL(student || teacher); 0
+    where loss_mask is 0. Per token: not in ADVANTAGES (advantage="opd" adds it to GRPO's)."""
     return (teacher_logp - old_logp) * loss_mask
 
 ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
@@ -85,8 +84,8 @@ def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor
         clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate, Schulman et al. 2017 (https://arxiv.org/abs/1707.06347), per token: -min(r A, clip(r) A)
     with r = pi/pi_old clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's clip-higher
-    (https://arxiv.org/abs/2503.14476), room to raise rare tokens' probability. dual_clip = c > 1 caps the loss
-    of A < 0 tokens at -c A, Ye et al. 2020 (https://arxiv.org/abs/1912.09729). Loss zeroed where loss_mask is 0."""
+    (https://arxiv.org/abs/2503.14476), room to raise rare tokens' probability. dual_clip = c > 1 caps the loss of A < 0
+    tokens at -c A, Ye et al. 2020 (https://arxiv.org/abs/1912.09729). Masked."""
     ratio = _safe_exp(logp - old_logp)  # [B, T]
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
@@ -100,10 +99,10 @@ def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor
 
 def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
          clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
-    """GSPO, Zheng et al. 2025 (https://arxiv.org/abs/2507.18071): one ratio per sequence, s = exp(mean of log r
-    over its sampled tokens, padding excluded), clipped as in ppo() (the paper: ~3e-4 / 4e-4). In the GSPO-token
-    form every token gets the value s and the gradient s * grad logp_t, so under seq_mean_token_mean the gradient
-    is exactly GSPO's; a whole sequence clips together. Loss is zeroed where loss_mask is 0."""
+    """GSPO, Zheng et al. 2025 (https://arxiv.org/abs/2507.18071): one ratio per sequence, s = exp(mean of log r over
+    its sampled tokens, padding excluded), clipped as in ppo() (the paper: ~3e-4 / 4e-4). GSPO-token form: every token
+    gets the value s and the gradient s * grad logp_t, so under seq_mean_token_mean the gradient is exactly GSPO's; a
+    whole sequence clips together. Masked."""
     seq_log_ratio = _masked_mean((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), loss_mask, -1)  # [B]
     # value sg(s), gradient flows through each token's own logp; logp - logp.detach() is exactly 0
     return ppo(logp=seq_log_ratio.detach()[:, None] + logp - logp.detach(), old_logp=torch.zeros_like(logp),
@@ -111,10 +110,10 @@ def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tenso
 
 def cispo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
           clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
-    """CISPO, MiniMax-M1 2025 (https://arxiv.org/abs/2506.13585): loss = -sg(clip(r, 1 - clip_low, 1 + clip_high))
-    * A * logp clips the importance *weight*, not the update: clipped tokens (PPO drops them, and the rare "fork"
-    tokens with them) still get gradient. The paper bounds only above: clip_low >= 1. clip_frac counts tokens out
-    of either bound; dual_clip is ignored (the weight is bounded). Only the gradient is meaningful; masked."""
+    """CISPO, MiniMax-M1 2025 (https://arxiv.org/abs/2506.13585): loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A *
+    logp clips the importance *weight*, not the update: clipped tokens (PPO drops them, and the rare "fork" tokens with
+    them) still get gradient. The paper bounds only above: clip_low >= 1. clip_frac: tokens out of either bound;
+    dual_clip is ignored (the weight is bounded). Only the gradient is meaningful; masked."""
     ratio = _safe_exp(logp - old_logp)  # [B, T]
     weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
     clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
@@ -140,8 +139,8 @@ def mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float
 
 def seq_mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
     """Sequence-level masked IS, Liu, Li et al. 2025 "When Speed Kills Stability"
-    (https://richardli.xyz/post/rl-collapse-training-inference): mis() on each sequence's geometric-mean ratio
-    exp(mean log ratio over sampled tokens), which unlike the product does not fail long sequences by length alone."""
+    (https://richardli.xyz/post/rl-collapse-training-inference): mis() on each sequence's geometric-mean ratio exp(mean
+    log ratio over sampled tokens), which unlike the product does not fail long sequences by length alone."""
     log_ratio = (old_logp - rollout_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     seq_log_ratio = _masked_mean(log_ratio, loss_mask, -1)[:, None].expand_as(old_logp)  # [B, T], each row its mean
     return mis(old_logp=seq_log_ratio, rollout_logp=torch.zeros_like(old_logp), loss_mask=loss_mask, low=low, high=high)

@@ -1,6 +1,5 @@
 """plot.py: reward and trainer-vs-engine mismatch, staleness and routing-flip curves from a run's metrics.jsonl.
-    python plot.py out/guess            # writes out/guess/curves.png
-"""
+    python plot.py out/guess            # writes out/guess/curves.png"""
 import json
 import os
 import sys

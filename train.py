@@ -201,9 +201,8 @@ def micro_loss(model, b, cfg, counts, adv, world):
         gap = ((old - b["teacher_logp"]) * mask).sum()
     w, corr_frac = est.CORRECTIONS[cfg.correction](old_logp=old, rollout_logp=b["rollout_logp"][:, 1:],
                                                    loss_mask=mask, low=cfg.correction_low, high=cfg.correction_high)
-    per_tok, clip_frac = est.POLICY_LOSSES[cfg.policy_loss](
-        logp=logp, old_logp=old, advantages=A, loss_mask=mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip or None)
+    per_tok, clip_frac = est.POLICY_LOSSES[cfg.policy_loss](logp=logp, old_logp=old, advantages=A, loss_mask=mask,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None)
     ent = est.entropy(logits=logits if cfg.entropy_coef else logits.detach())  # (n,)
     per_tok = per_tok * w - cfg.entropy_coef * torch.zeros_like(mask).masked_scatter(mask.bool(), ent)
     kl = torch.zeros_like(mask)
@@ -316,8 +315,7 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
             torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state}, os.path.join(tmp, "trainer.pt"))
         except OSError as e:
             raise RuntimeError(f"checkpoint write failed at step {state['step']} ({e}); {final} is as it was") from e
-        # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete
-        old = final + ".old"
+        old = final + ".old"  # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete
         shutil.rmtree(old, ignore_errors=True)
         if os.path.isdir(final):
             os.replace(final, old)
