@@ -222,8 +222,7 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
                     sys.executable, "-I", "-S", "-c", reaper, env={}, stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)).wait()
             await proc.wait()
-            # EOF comes once every writer is dead; but without root an escapee from the process group
-            # may live on holding the pipe, so give up on it after a second.
+            # EOF comes once every writer is dead; without root an escapee from the group may hold it: wait 1 s
             await asyncio.wait([reader], timeout=1.0)
             reader.cancel()
             pipe.close()

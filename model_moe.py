@@ -1,10 +1,9 @@
-"""model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch that also runs
-Llama and Qwen2 checkpoints (no q/k norm; Qwen2's q/k/v biases; Llama 3 RoPE scaling), GGUF files included.
-Names mirror Hugging Face's, so a checkpoint loads key for key; only experts convert (stacked [E, out, in] here,
-per expert on disk). One forward serves training and generation (a KV cache, one slot per request), so engine and
-trainer run the same code. MoE routing is captured and replayed ("routing replay", arXiv:2510.11370): replay fixes
-which experts run, the router still gets gradient through the combine weights. An optional vision encoder's
-features replace <|image_pad|> placeholders."""
+"""model_moe.py: the policy. A Qwen3-style decoder (dense or mixture-of-experts) in plain PyTorch that also runs Llama
+and Qwen2 checkpoints (no q/k norm; Qwen2's q/k/v biases; Llama 3 RoPE scaling), GGUF files included. Names mirror
+Hugging Face's, so a checkpoint loads key for key; only experts convert (stacked [E, out, in] here, per expert on disk).
+One forward serves training and generation (a KV cache, one slot per request): engine and trainer run the same code. MoE
+routing is captured and replayed ("routing replay", arXiv:2510.11370): replay fixes which experts run, the router still
+gets gradient through the combine weights. Optional vision encoder: its features replace <|image_pad|> placeholders."""
 import json
 import math
 import os
@@ -309,11 +308,10 @@ class Transformer(nn.Module):
         return self
     def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,
                 return_routing=False, embeds=None, images=None, logits_at=None, aux_mask=None):
-        """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)].
-        positions (B, T): rotary positions, default 0..T-1. pad_mask (B, T) bool: False on (left or right) padding.
-        cache/slots: KVCache and each row's slot (B,); tokens are written at their positions and attend to all at
-        or before them in their slot. routing: experts to replay. embeds (B, T, C): used instead of ids' embeddings.
-        images (N, C, H, W) float: the batch's images, in row-major order of their placeholders (n_patches each).
+        """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)]. positions (B, T): default 0..T-1.
+        pad_mask (B, T) bool: False on (left or right) padding. routing: experts to replay. embeds (B, T, C): not ids'.
+        cache/slots: KVCache and each row's slot (B,); tokens are written at their positions, attend to all at or
+        before them in their slot. images (N, C, H, W) float: in row-major order of their placeholders (n_patches each).
         logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them).
         aux_mask (B, T) bool: the positions the MoE load-balancing loss (self.aux_loss) counts."""
         c, (B, T) = self.config, ids.shape

@@ -312,8 +312,7 @@ def check_tokens(ep, calls):
     return logprobs, versions, routing, torch.tensor([t for _, c, _ in calls for t in c.ids], dtype=torch.long)
 
 def truncated_episode(calls):
-    """An agent stopped by ContextFull: the conversation up to the last completion, trained as it stands
-    (dropping it would bias training toward short episodes), reward 0."""
+    """ContextFull: the conversation to its last completion, trained as is (dropping biases to short ones), reward 0."""
     prompt, c, images = calls[-1]
     ep = agent_mod.Episode(ids=prompt + c.ids, loss_mask=[0] * (len(prompt) + len(c.ids)),
                            images=list(images) if images is not None else [], info={"truncated": 1})

@@ -14,8 +14,7 @@ Algorithm, per optimizer step v (weights version v -> v+1):
 
 Launch:
   python train.py --config configs/guess.py                                    # one process
-  torchrun --standalone --nproc_per_node=2 train.py --config configs/guess.py  # FSDP2 over 2 ranks
-"""
+  torchrun --standalone --nproc_per_node=2 train.py --config configs/guess.py  # FSDP2 over 2 ranks"""
 import json
 import math
 import os
@@ -374,9 +373,8 @@ def dump_episodes(cfg, step, msgs, tokenizer, n=4):
 STOP = {"signal": None}  # set by SIGTERM / Ctrl-C; the loop checkpoints and exits at the next step
 
 def take_batch(cfg, ro, version, counters):
-    """Rank 0: prompts_per_step whole groups, less their episodes past the staleness bound (dropped and
-    counted), in data order. -> (msgs, wait seconds); msgs None when a stop signal came while waiting.
-    Without a rollout (replay): the batch a run with rollout_dump=true trained at this step."""
+    """Rank 0: prompts_per_step whole groups, less episodes past the staleness bound (dropped, counted), in data order
+    -> (msgs, wait s); msgs None: a stop signal came. Replay (no rollout): what a rollout_dump run trained here."""
     if ro is None:
         path = os.path.join(cfg.replay, f"step_{version + 1}.pt")
         if not os.path.isfile(path):
