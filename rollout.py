@@ -72,9 +72,9 @@ def uniform(keys):
             h = (h ^ (h >> np.uint64(s))) * np.uint64(m)
     return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) / 2**53)  # the top 53 bits
 
-def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None, u=None):
-    """logits (B, V) -> ids (B,), logprobs (B,) under the filtered, renormalised distribution; u (B,): the rows'
-    uniforms (else drawn from generator). temperature 0 is greedy (its logprob is reported at temperature 1)."""
+def sample(logits, u, *, temperature, top_p=1.0, top_k=0):
+    """logits (B, V), u (B,) the rows' uniforms in [0, 1) -> ids (B,), logprobs (B,) under the filtered, renormalised
+    distribution. temperature 0 is greedy (its logprob is reported at temperature 1)."""
     if temperature == 0:
         logp = torch.log_softmax(logits.float(), dim=-1)
         ids = logp.argmax(-1)
@@ -83,7 +83,6 @@ def sample(logits, *, temperature, top_p=1.0, top_k=0, generator=None, u=None):
         # inverse-CDF sampling: one uniform per row against the running sum of probabilities (multinomial draws one
         # exponential per entry); the sum is float64 and u stays below its total: a probability-0 token is never picked
         cdf = logp.exp().cumsum(-1, dtype=torch.float64)
-        u = torch.rand(len(cdf), generator=generator, dtype=cdf.dtype, device=cdf.device) if u is None else u
         u = u.to(cdf)[:, None] * cdf[:, -1:]
         ids = torch.searchsorted(cdf, torch.minimum(u, cdf[:, -1:].nextafter(u.new_zeros(()))), right=True)[:, 0]
     return ids, logp.gather(-1, ids[:, None])[:, 0]
@@ -197,7 +196,7 @@ class TorchEngine:
         return len(new) + len(rows)
     def _sample(self, rows, logits):
         u = uniform([[self.seed, *r.key, len(r.ids)] for r in rows])  # (B,); len(r.ids): the new token's position
-        ids, logps = sample(logits, u=u, **self.sampling)
+        ids, logps = sample(logits, u, **self.sampling)
         self.tokens_generated += len(rows)
         for r, t, lp in zip(rows, ids.tolist(), logps.tolist()):
             r.ids.append(t)
@@ -593,8 +592,7 @@ def vllm_command(model_dir, port, cfg, moe):
     return argv, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
 
 def vllm_generate(url, ids, p, timeout):
-    """/v1/completions with one token-id prompt -> [(sampled ids, logprobs, experts (T-1, layers, k) or None)]. One
-    prompt a call: a list of prompts would share one sampling seed, and a group's equal prompts its samples."""
+    """/v1/completions, one token-id prompt a call (a list shares one seed: a group's equal prompts, equal samples)."""
     (ids,), (p,) = ids, p
     c = _http(url + "/v1/completions", {
         "prompt": ids, "max_tokens": p["max_new_tokens"], "temperature": p["temperature"], "top_p": p["top_p"],
@@ -686,8 +684,7 @@ class ServerEngine:
             routing = torch.cat([routing, routing.new_full((1, *routing.shape[1:]), -1)])
         return Completion(out, logprobs, [version] * len(out), routing)
     def _submit(self, k, ids, p):
-        """-> a future of server k's answer. Where the server takes lists, the requests of one event-loop tick share
-        a call: its send runs after every agent woken in that tick (by the last call's answers) has asked."""
+        """-> a future of server k's answer; where it takes lists, the requests of an event-loop tick share a call."""
         if not self.queued[k] or not self.api["batched"]:
             self.queued[k] = []
             asyncio.ensure_future(self._send(k, self.queued[k]))  # held by the loop, then by its HTTP call

@@ -92,8 +92,8 @@ def test_sampler_frequencies_follow_the_filtered_distribution():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0)) * 2
     for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8)]:
         n, g = 20_000, torch.Generator().manual_seed(1)
-        ids, logps = rollout.sample(logits.repeat_interleave(n, 0), temperature=temperature, top_k=top_k,
-                                    top_p=top_p, generator=g)
+        ids, logps = rollout.sample(logits.repeat_interleave(n, 0), torch.rand(3 * n, generator=g),
+                                    temperature=temperature, top_k=top_k, top_p=top_p)
         for row in range(3):
             q = reference_filter(logits[row], temperature, top_k, top_p)
             got = torch.bincount(ids[row * n:(row + 1) * n], minlength=V).double() / n
