@@ -1,11 +1,9 @@
 # Images on CPU: the tiny MoE plus a small vision encoder learns by RL alone to count 1..4 squares in a 16x16
-# image; one sampled token answers. Groups of 8 share an image. README: "Images" for the measured seeds.
+# image (4x4 patches: the defaults); one sampled token answers. Groups of 8 share an image. README: "Images".
 out_dir = "out/image_count"
 model = "tiny"
 tiny_vision = True
 task = "count"
-image_size = 16
-patch_size = 4
 max_turns = 1
 max_new_tokens = 1
 group_size = 8

