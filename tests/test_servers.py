@@ -352,7 +352,7 @@ def test_vllm_episodes_are_the_server_tokens_with_versions_and_logprobs(vllm_ser
 
     def recording(*args):  # what the server answered, before any of our code touches it
         r = generate(*args)
-        returned.append(list(r[0]))
+        returned.append(list(r[0][0]))  # [(ids, logprobs, experts)]: one prompt a call
         return r
     e.api = dict(e.api, generate=recording)
     cfg = config.load(["--group_size=2", "--prompts_per_step=2", "--max_turns=2", "--max_staleness=0"])

@@ -198,14 +198,20 @@ def test_bad_images_are_clear_errors_at_the_agent(tok):
 
 @pytest.mark.slow
 def test_image_count_reward_rises(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "image_count.py"),
-           f"--out_dir={tmp_path}", "--ckpt_every=0", "--max_steps=60", "--prompts_per_step=8", "--lr=1e-3"]
-    r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=300,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ms = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    rewards = [m["reward/mean"] for m in ms]
+    """Two seeds, the rise averaged: the first right answer of a near-uniform policy over 384 tokens is luck (about
+    one episode in 400), and one seed (0, with the per-episode sampler) saw none in its first 30 steps."""
+    rises, fresh = [], []
+    for seed in (0, 1):
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs",
+               "image_count.py"), f"--out_dir={tmp_path / str(seed)}", "--ckpt_every=0", "--max_steps=60",
+               "--prompts_per_step=8", "--lr=1e-3", f"--seed={seed}"]
+        r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                           timeout=300, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ms = [json.loads(l) for l in open(tmp_path / str(seed) / "metrics.jsonl")]
+        rewards = [m["reward/mean"] for m in ms]
+        rises.append(sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10)
+        fresh += [m for m in ms if m["mismatch/tokens"]]
     # in 60 steps at lr 1e-3 it mostly learns to answer with a digit (~0.003 -> ~0.2); counting takes the recipe's 200
-    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1, rewards
-    fresh = [m for m in ms if m["mismatch/tokens"]]
+    assert sum(rises) / 2 > 0.1, rises
     assert fresh and all(m["mismatch/logprob_abs_diff"] < 1e-5 for m in fresh)
