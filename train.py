@@ -323,12 +323,12 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
     if fsdp:
         dist.barrier()
 
-def load_trainer_state(ckpt, model, opt, fsdp):
-    """-> what a checkpoint carries besides the weights (step, data position, counters); restores optimizer and rng."""
+def load_trainer_state(saved, model, opt, fsdp):
+    """saved: trainer.pt's dict or None -> all but the weights (step, data position, counters); restores opt and rng."""
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
     state = {"step": 0, "data_position": 0, "rollout_counts": None}
-    if ckpt is not None:
-        state |= torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
+    if saved is not None:
+        state |= saved
         if fsdp:
             set_optimizer_state_dict(model, opt, state.pop("optimizer"), options=StateDictOptions(full_state_dict=True))
         else:
@@ -422,15 +422,15 @@ def main(argv=None):
     if ckpt:
         same_architecture(ckpt, init)
     tokenizer_dir = ckpt or init  # the weights' own tokenizer
+    saved = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if ckpt else None
     # LoRA: the initial model as the base, the checkpoint's adapters (its merged weights are for engines, transformers)
-    resumed = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if cfg.lora_rank and ckpt else {}
     model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir,
-                        adapters=resumed.get("adapters"))
+                        adapters=(saved or {}).get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-    state = load_trainer_state(ckpt, model, opt, fsdp)  # what the checkpoints carry on, counters included
+    state = load_trainer_state(saved, model, opt, fsdp)  # what the checkpoints carry on, counters included
     step, counters = state["step"], state["counters"]
     weights = full_state(model, fsdp)
     changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes
