@@ -445,25 +445,34 @@ def test_vllm_greedy_matches_torch_and_a_weight_update_takes_effect(vllm_server,
     assert not os.path.exists(os.path.join(s["wdir"], "v0"))
 
 
+def train_loop_on_policy(tmp_path, engine, flags, env=()):
+    """train.py on the default recipe with a server engine, 3 on-policy steps (each publishes new weights to the
+    server) -> its metrics, after the checks every engine passes: versions 1..3, no staleness, every trained token
+    the server's under the current weights."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           *flags, "--prompts_per_step=2", "--group_size=4", "--max_steps=3", "--max_staleness=0", "--ckpt_every=0",
+           "--dump_every=0"]
+    env = {**os.environ, **dict(env), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), ROOT]))
+    r = subprocess.run(cmd, env=env, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:] + rollout.log_tail(str(tmp_path / f"{engine}_server.log"))
+    ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["policy_version"] for m in ms] == [1, 2, 3]
+    for m in ms:
+        assert m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] > 0
+    print(f"{engine}: mismatch/logprob_abs_diff", [f"{m['mismatch/logprob_abs_diff']:.1e}" for m in ms],
+          "time/weight_sync:", [round(m["time/weight_sync"], 3) for m in ms])
+    return ms
+
+
 @pytest.mark.slow
 @needs_vllm
 def test_train_loop_against_vllm(tmp_path):
     """The whole async loop with engine=vllm: on-policy, so every step loads new weights into the server;
     every trained token was sampled by the server under the weights that train it."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
-           f"--out_dir={tmp_path}", "--engine=vllm", f"--server_python={VLLM_PYTHON}", "--server_args=--enforce-eager",
-           "--tiny_experts=0", "--prompts_per_step=2", "--group_size=4", "--max_steps=3", "--max_staleness=0",
-           "--ckpt_every=0", "--dump_every=0"]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, env=env, cwd=ROOT, timeout=600, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:] + rollout.log_tail(str(tmp_path / "vllm_server.log"))
-    ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [m["policy_version"] for m in ms] == [1, 2, 3]
-    for m in ms:
-        assert m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] > 0
-        assert m["mismatch/logprob_abs_diff"] < 1e-4, m
-    print("mismatch/logprob_abs_diff per step:", [f"{m['mismatch/logprob_abs_diff']:.1e}" for m in ms],
-          "time/weight_sync:", [round(m["time/weight_sync"], 3) for m in ms])
+    ms = train_loop_on_policy(tmp_path, "vllm", [f"--out_dir={tmp_path}", "--engine=vllm",
+                              f"--server_python={VLLM_PYTHON}", "--server_args=--enforce-eager", "--tiny_experts=0"])
+    assert all(m["mismatch/logprob_abs_diff"] < 1e-4 for m in ms), ms
     assert not {"v0", "v1"} & set(os.listdir(tmp_path / "engine_weights"))  # older versions are deleted
 
 
@@ -635,19 +644,7 @@ def test_train_loop_against_sglang_moe(tmp_path, device):
     """The whole async loop with engine=sglang on the tiny MoE, on-policy: every step broadcasts new weights
     to the server; every trained token was sampled by it under the weights that train it, with the experts
     it routed to replayed in training."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
-           *sglang_flags(device, tmp_path), "--prompts_per_step=2", "--group_size=4", "--max_steps=3",
-           "--max_staleness=0", "--ckpt_every=0", "--dump_every=0"]
-    env = {**os.environ, **SGLANG[device]["env"], "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), ROOT]))
-    r = subprocess.run(cmd, env=env, cwd=ROOT, timeout=600, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:] + rollout.log_tail(str(tmp_path / "sglang_server.log"))
-    ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [m["policy_version"] for m in ms] == [1, 2, 3]
-    for m in ms:
-        assert m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] > 0
-        assert m["mismatch/logprob_abs_diff"] < 1e-5 and m["routing/flip_frac"] < 0.01, m
-    print("mismatch/logprob_abs_diff:", [f"{m['mismatch/logprob_abs_diff']:.1e}" for m in ms],
-          "routing/flip_frac:", [m["routing/flip_frac"] for m in ms],
-          "time/weight_sync:", [round(m["time/weight_sync"], 3) for m in ms])
+    ms = train_loop_on_policy(tmp_path, "sglang", sglang_flags(device, tmp_path), SGLANG[device]["env"])
+    assert all(m["mismatch/logprob_abs_diff"] < 1e-5 and m["routing/flip_frac"] < 0.01 for m in ms), ms
+    print("routing/flip_frac:", [m["routing/flip_frac"] for m in ms])
     assert os.listdir(tmp_path / "engine_weights") == []  # later versions went in memory; v0 deleted once v1 is in
