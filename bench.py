@@ -178,10 +178,10 @@ def bench_engine():
 
 def bench_endpoint():
     """The baseline: the same 3-turn chats by a token-level agent on llm.generate, on the same engine and weights."""
-    n, repeats, d = (16, 1, tempfile.mkdtemp()) if args.quick else (64, 5, tempfile.mkdtemp())
-    agent.make_tokenizer(d)
-    tok, ask, turn = rollout._tokenizer(d), agent.GUESS_PROMPT.format(7), {"role": "user", "content": "4 is too low"}
-    model = Transformer(ModelConfig(vocab_size=len(tok), num_experts=8, max_position_embeddings=256)).init_weights(0)
+    n, repeats = (16, 1) if args.quick else (64, 1 if args.model else 5)
+    d = args.model or train.tiny_init(config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}"]), 0, False)
+    tok, model = rollout._tokenizer(d), Transformer.from_pretrained(d)
+    ask, turn = agent.GUESS_PROMPT.format(7), {"role": "user", "content": "4 is too low"}
     async def chat(llm):  # a client as calc makes one; the episode is the endpoint's record
         msgs = [{"role": "user", "content": ask}]
         async with agent.openai_client(llm) as client:
@@ -196,15 +196,15 @@ def bench_endpoint():
             ep.append(agent.turn_suffix(tok, turn["content"]))
         return rollout.check_tokens(ep, llm.calls)
     async def episodes(fn, new):  # n at once; no stop token: every turn samples `new` tokens
-        engine = rollout.TorchEngine(model, slots=n, max_len=256, max_new_tokens=new)
+        engine = rollout.TorchEngine(model, slots=n, max_len=320, max_new_tokens=new)
         server, loop = await endpoint.serve(tok, {}), asyncio.create_task(engine.run())  # {}: no sampling is sent
         await asyncio.gather(*(fn(endpoint.attach(server, rollout.Policy(engine, tok))) for _ in range(n)))
         loop.cancel()
         await server["runner"].cleanup()
     t = {new: timed({"chat": lambda: asyncio.run(episodes(chat, new)),
                      "generate": lambda: asyncio.run(episodes(tokens, new))}, repeats) for new in (16, 64)}
-    table(f"endpoint: {n} 3-turn chats at once, tiny MoE, episodes/s, median of {repeats}", ["tokens a turn",
-          "endpoint + openai client (measured)", "llm.generate (baseline)", "ratio", "target"],
+    table(f"endpoint: {n} 3-turn chats at once, {os.path.basename(args.model) or 'tiny MoE'}, episodes/s, median of "
+          f"{repeats}", ["tokens a turn", "endpoint + openai (measured)", "llm.generate (baseline)", "ratio", "target"],
           [(k, f"{n / v['chat']:.1f}", f"{n / v['generate']:.1f}", f"{v['generate'] / v['chat']:.2f}", ">= 0.8")
            for k, v in t.items()])
 
@@ -217,7 +217,7 @@ if __name__ == "__main__":  # not in the rollout process that bench_trainer spaw
     ap.add_argument("--threads", type=int, default=0, help="engine: torch.set_num_threads (0: all cores)")
     ap.add_argument("--before", default="8482101", help="fixed: the baseline commit")
     ap.add_argument("--trl_python", default="python", help="trl: the interpreter of a venv with trl installed")
-    ap.add_argument("--model", default="", help="engine, trainer: a model directory or .gguf (default: tiny MoE)")
+    ap.add_argument("--model", default="", help="engine, trainer, endpoint: a model dir or .gguf (default: tiny MoE)")
     args = ap.parse_args()
     args.model = convert_gguf(args.model) if args.model.endswith(".gguf") else args.model  # once, beside it
     os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
