@@ -4,7 +4,7 @@ its result, the answer. The code always uses the question's numbers, but compute
 transcripts and a*b-c in the rest: the model learns the format and copying, and leaves one token (+ or -) to chance,
 right about `right` of the time. RL has to learn that choice from the reward alone.
     python tests/warm_start.py OUT_DIR [--right 0.3]
-    python train.py --model=OUT_DIR --task=calc --max_turns=2 --max_new_tokens=64 --engine_max_len=512 --lr=3e-4"""
+    python train.py --model=OUT_DIR --task=calc --max_turns=2 --max_new_tokens=64 --engine_max_len=512 --lr=1e-4"""
 import argparse
 import json
 import os
