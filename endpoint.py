@@ -87,8 +87,8 @@ async def _sample(server, llm, body, text, ids=None):
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise _error("stop must be a string or a list of non-empty strings", "stop")
     # the longest segment the prompt extends (as text, or as ids); its ids stay, only the rest is tokenized
-    p, k = (text, "text") if ids is None else (ids, "ids")
-    seg = max((s for s in llm.segs if p[:len(s[k])] == s[k]), key=lambda s: len(s[k]), default=None)
+    p, kind = (text, "text") if ids is None else (ids, "ids")
+    seg = max((s for s in llm.segs if p[:len(s[kind])] == s[kind]), key=lambda s: len(s[kind]), default=None)
     if ids is None:
         ids = (seg["ids"] if seg else []) + tok.encode(text[len(seg["text"]) if seg else 0:], add_special_tokens=False)
     c = await llm.generate(ids, max_new)
