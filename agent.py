@@ -47,6 +47,7 @@ PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description":
                "parameters": {"type": "object", "required": ["code"], "properties": {"code": {"type": "string"}}}}}
 IMAGE_PAD, COUNT_PROMPT = "<|image_pad|>", "How many squares?"  # an image is one IMAGE_PAD per patch
 
+
 def _corpus(rng: random.Random):
     """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else. Frozen: text added
     here changes every merge, and with them the default run's tokens (see the README)."""
@@ -57,6 +58,7 @@ def _corpus(rng: random.Random):
                     f"{a}+{b}=", "error: exit code 1\nTraceback (most recent call last):\n  File \"main.py\"",
                     "error: timed out", "NameError: name 'x' is not defined", "SyntaxError: invalid syntax",
                     "ZeroDivisionError"]
+
 
 def make_tokenizer(path: str, vocab_size: int = 384) -> None:
     """Train and save (tokenizer.json + tokenizer_config.json) a tokenizer that AutoTokenizer loads. No download."""
@@ -75,6 +77,7 @@ def make_tokenizer(path: str, vocab_size: int = 384) -> None:
               "clean_up_tokenization_spaces": False}
     Path(path, "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
+
 # ---- the episode: one typed record from rollout to loss ----
 @dataclass
 class Episode:
@@ -84,10 +87,12 @@ class Episode:
     reward: float = 0.0
     info: dict = field(default_factory=dict)  # numbers to log (turns, tool_errors, ...)
     images: list = field(default_factory=list)  # (C, H, W) float tensors in [0, 1], in the order of their placeholders
+
     def append(self, ids: list[int]) -> None:
         """Prompt, tool or environment tokens: in the sequence, never trained on."""
         self.ids += ids
         self.loss_mask += [0] * len(ids)
+
     def append_image(self, image: torch.Tensor, ids: list[int]) -> None:
         """An image observation: ids hold its placeholders (<|image_pad|> once per patch, see count), with
         any text around them; mask 0 like every observation. The engine checks the shape against the model."""
@@ -96,10 +101,12 @@ class Episode:
             raise ValueError(f"an image must be a float tensor (C, H, W) in [0, 1], got {got}")
         self.append(ids)
         self.images.append(image)
+
     def append_completion(self, c) -> None:
         """An engine result for prompt = self.ids: its sampled ids c.ids, trained on."""
         self.ids += c.ids
         self.loss_mask += [1] * len(c.ids)
+
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError on an episode the trainer must not see."""
         if len(self.ids) != len(self.loss_mask):
@@ -113,16 +120,19 @@ class Episode:
         if not math.isfinite(self.reward):
             raise ValueError(f"non-finite reward {self.reward}")
 
+
 # ---- turns: conversations grow by appending token ids, never by re-rendering ----
 def prompt_ids(tok, text: str) -> list[int]:
     """The opening user turn and the assistant header, as the chat template renders it."""
     s = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
     return tok.encode(s, add_special_tokens=False)
 
+
 def turn_suffix(tok, text: str, role: str = "user") -> list[int]:
     """Ids that continue a chat after an assistant turn that ended with <|im_end|>: a new turn + assistant header."""
     # Special tokens split the text before BPE runs, so these ids equal what a full render would give here.
     return tok.encode(f"\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
 
 async def model_turn(llm, ep: Episode) -> str:
     """One model turn appended to ep; returns its text, decoded only to show the environment."""
@@ -132,6 +142,7 @@ async def model_turn(llm, ep: Episode) -> str:
     if not c.ids or c.ids[-1] != end:  # cut off at max_new_tokens: close the turn ourselves, unsampled (mask 0)
         ep.append([end])
     return llm.tokenizer.decode(c.ids, skip_special_tokens=True)
+
 
 # ---- tools: untrusted code in a sandboxed subprocess ----
 # The child locks itself down in this prelude and only then runs the model's code (main.py in its cwd).
@@ -177,6 +188,7 @@ exec(compile(open("main.py", "rb").read(), "main.py", "exec"), {"__name__": "__m
 """
 _calls = itertools.count()
 
+
 async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, max_procs: int = 16,
                    max_output: int = 4096) -> tuple[bool, str]:
     """Run untrusted Python `code` in a locked-down subprocess; return (ok, observation text)."""
@@ -202,6 +214,7 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
         stream = asyncio.StreamReader()
         pipe, _ = await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), out)
         half, head, tail, total = max_output // 2, b"", b"", 0
+
         async def drain():  # keep the first and last max_output/2 bytes, drop the middle as it streams by
             nonlocal head, tail, total
             while chunk := await stream.read(1 << 16):
@@ -233,9 +246,11 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
              else f"killed by signal {-rc} ({signal.strsignal(-rc)})" if rc < 0 else None)
     return error is None, text if error is None else f"error: {error}\n{text}"
 
+
 # ---- built-in tasks: each an agent `async def NAME(task, llm) -> Episode`, sized by the task dict ----
 def _ints(text: str) -> list[int]:
     return [int(s) for s in re.findall(r"-?\d+", text)]
+
 
 async def guess(task: dict, llm) -> Episode:
     """Find a secret in 1..guess_max from too-low / too-high feedback within max_turns model turns."""
@@ -252,12 +267,14 @@ async def guess(task: dict, llm) -> Episode:
     ep.reward, ep.info = float(feedback == "correct"), {"turns": turn, "invalid": invalid}
     return ep
 
+
 def openai_client(llm):
     """An `openai.AsyncOpenAI` on this episode's endpoint. verify=False: the endpoint is plain HTTP on loopback, and a
     default client loads the CA certificates (~44 ms, blocking the rollout's loop) each time one is made."""
     import openai  # here: only chat agents need it
     return openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=None,  # no client
                               http_client=openai.DefaultAsyncHttpxClient(verify=False))  # timeout: episode_timeout's
+
 
 async def calc(task: dict, llm) -> dict:
     """a*b+c: a chat agent (openai client on the endpoint), a sandboxed `python` tool; last reply's last int answers."""
@@ -279,6 +296,7 @@ async def calc(task: dict, llm) -> dict:
     return {"reward": float(bool(answer) and answer[-1] == task["a"] * task["b"] + task["c"]),
             "info": {"turns": turn, "tool_calls": calls, "tool_errors": errors}}
 
+
 async def arith(task: dict, llm) -> Episode:
     """Single turn, the question `arith_prompt` (default `a+b=`); the answer's last integer is checked ("3 + 4 = 7")."""
     ep = Episode()
@@ -286,6 +304,7 @@ async def arith(task: dict, llm) -> Episode:
     answer = _ints(await model_turn(llm, ep))
     ep.reward = float(bool(answer) and answer[-1] == task["a"] + task["b"])
     return ep
+
 
 def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tensor:
     """A black (3, size, size) image with k cell x cell squares at distinct grid cells, each a random bright color."""
@@ -295,6 +314,7 @@ def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tenso
         color = torch.tensor([rng.uniform(0.3, 1) for _ in "rgb"])[:, None, None]
         img[:, r * cell:(r + 1) * cell, c * cell:(c + 1) * cell] = color
     return img
+
 
 async def count(task: dict, llm) -> Episode:
     """How many squares (1..4) does the image show? The environment answers each reply with a new image, for
@@ -311,7 +331,9 @@ async def count(task: dict, llm) -> Episode:
     ep.reward, ep.info = right / task["max_turns"], {"turns": turn}
     return ep
 
+
 TASKS = {"guess": guess, "calc": calc, "arith": arith, "count": count}
+
 
 def load_agent(name: str):
     """A built-in task name, or a path to a Python file that defines `async def run(task, llm) -> Episode`."""
@@ -323,6 +345,7 @@ def load_agent(name: str):
     if not inspect.iscoroutinefunction(run):
         raise ValueError(f"agent file {name!r} does not define `async def run(task, llm)`")
     return run
+
 
 @functools.lru_cache(maxsize=4)
 def load_task_file(path: str) -> list[dict]:
@@ -339,6 +362,7 @@ def load_task_file(path: str) -> list[dict]:
     if not rows:
         raise ValueError(f"{path}: no tasks in the file")
     return rows
+
 
 def make_task(name_or_path: str, index: int, *, seed: int, group_size: int, guess_max: int = 7, max_turns: int = 3,
               tool_timeout: float = 5.0, tool_memory_mb: int = 256, task_file: str = "", **knobs) -> dict:

@@ -28,17 +28,21 @@ from model_moe import ModelConfig, Transformer, convert_gguf  # noqa: E402
 GUESS = ["--config", "configs/guess.py", "--dump_every=0", "--ckpt_every=0"]  # the default recipe, no mid-run dumps
 ARITH = ["--task=arith", "--max_turns=1", "--max_new_tokens=4", "--temperature=1"]  # issue 22's: 8 x 8, tiny MoE
 
+
 def table(title, header, rows):
     lines = [header, ["---"] + ["---:"] * (len(header) - 1), *rows]
     print(f"\n{title}\n\n" + "\n".join("| " + " | ".join(map(str, r)) + " |" for r in lines), flush=True)
+
 
 def timed(fns, n, best=False):
     """{name: call} -> {name: wall s}, the median (best: minimum) of n interleaved rounds."""
     rounds = [{k: timeit.timeit(f, number=1) for k, f in fns.items()} for _ in range(n + 1)]
     return {k: (min if best else med)(r[k] for r in rounds[1:]) for k in fns}  # round 0 warms up (lazy init)
 
+
 def peak_mb(pid="self"):  # VmHWM: the peak resident set of a live process
     return int(open(f"/proc/{pid}/status").read().split("VmHWM:")[1].split()[0]) / 1024
+
 
 def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
     """cwd's train.py (or cmd, writing metrics.jsonl as train.py does) + overrides in a temporary out_dir -> them."""
@@ -50,6 +54,7 @@ def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
             raise RuntimeError(f"{cmd[-1]} {overrides} failed ({p.returncode}):\n{p.stderr[-3000:]}")
         with open(os.path.join(d, "metrics.jsonl")) as f:
             return [json.loads(line) for line in f]
+
 
 def bench_parity():
     """The baseline of async RL (max_staleness=1) is sync RL (0), in interleaved runs over seeds: steps/s against the
@@ -81,6 +86,7 @@ def bench_parity():
     table(f"learning parity: --max_steps={steps}, final reward = mean of the last {last} steps", ["seed",
           "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall", "ratio"], rows)
 
+
 def bench_fixed():
     """A step's parts (metrics.jsonl medians after warm-up); the baseline: commit --before's train.py (git archive)."""
     steps, warm = (6, 2) if args.quick else (100, 20)
@@ -97,6 +103,7 @@ def bench_fixed():
     table(f"a step's parts, medians of steps {warm + 1}..{steps} ({args.before} logs no handout: in other); arith "
           f"= {' '.join(ARITH)}", ["setting", "ranks", "commit", *keys, "weight_sync share", "steps/s"], rows)
 
+
 def bench_trl():
     """The baseline is TRL's GRPOTrainer (tests/trl_arith.py, under --trl_python) on the same initial weights, prompt
     ids, batch, sampling and lr as train.py at the arith setting; one process each, the same number of steps."""
@@ -109,6 +116,7 @@ def bench_trl():
           f"step, {steps} steps, rates after step {warm}", ["", "steps/s", "episodes/s", "ratio to TRL", "reward, last "
           "50 steps"], [(k, f"{r:.2f}", f"{r * 64:.0f}", f"{r / rate['TRL']:.2f}x",
                          f"{mean(m['reward/mean'] for m in runs[k][-50:]):.3f}") for k, r in rate.items()])
+
 
 def bench_trainer():
     """The baseline is the loop one writes first: on ready-made padded tensors, a policy-gradient step, no publish.
@@ -127,6 +135,7 @@ def bench_trainer():
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=cfg.lr)
     b = train.collate(msgs, "cpu")
     ids, mask, A, tokens = b["ids"], b["loss_mask"][:, 1:], adv[:, None], sum(len(m["ids"]) for m in msgs)
+
     def plain():
         plain_opt.zero_grad(set_to_none=True)
         logp = torch.log_softmax(plain_model(ids)[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
@@ -139,6 +148,7 @@ def bench_trainer():
           f"rollout process {rollout_mb:,.0f} MB", ["measure", "measured", "plain loop (baseline)", "ratio", "target"],
           [("train_step + publish, tok/s", f"{tokens / t['full']:,.0f}", f"{tokens / t['plain']:,.0f}",
             f"{t['plain'] / t['full']:.2f}", ">= 0.90")])
+
 
 def bench_engine():
     """The baseline: HF `generate` on the same weights (from our checkpoint), one left-padded batch per call. The
@@ -154,12 +164,14 @@ def bench_engine():
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(c.vocab_size, (int(n),), generator=g) for n in torch.randint(16, 33, (64,), generator=g)]
+
     async def serve(ps):  # every request at once, as concurrent agents send them, while the engine's loop runs
         e = rollout.TorchEngine(ours, slots=64, max_len=32 + new, max_new_tokens=new, seed=0)
         loop = asyncio.create_task(e.run())
         outs = await asyncio.gather(*(e.generate(p.tolist()) for p in ps))
         loop.cancel()
         assert all(len(o.ids) == new and (o.routing is None) == (c.num_experts == 0) for o in outs)
+
     def generate(ps):  # -1 marks padding; min_new_tokens pins the length (there is no eos anyway)
         ids = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True, padding_value=-1, padding_side="left")
         out = hf.generate(ids.clamp(min=0), attention_mask=(ids >= 0).long(), do_sample=True, max_new_tokens=new,
@@ -176,12 +188,14 @@ def bench_engine():
           f"copy {bw / 1e9:.1f} GB/s; peak RSS {peak_mb():,.0f} MB (both models)", ["requests at once", "engine tok/s "
           "(measured)", "HF generate tok/s (baseline)", "ratio", "memory bound tok/s", "engine / bound"], rows)
 
+
 def bench_endpoint():
     """The baseline: the same 3-turn chats by a token-level agent on llm.generate, on the same engine and weights."""
     n, repeats = (16, 1) if args.quick else (64, 1 if args.model else 5)
     d = args.model or train.tiny_init(config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}"]), 0, False)
     tok, model = rollout._tokenizer(d), Transformer.from_pretrained(d)
     ask, turn = agent.GUESS_PROMPT.format(7), {"role": "user", "content": "4 is too low"}
+
     async def chat(llm):  # a client as calc makes one; the episode is the endpoint's record
         msgs = [{"role": "user", "content": ask}]
         async with agent.openai_client(llm) as client:
@@ -189,12 +203,14 @@ def bench_endpoint():
                 m = (await client.chat.completions.create(model=llm.model, messages=msgs)).choices[0].message
                 msgs += [m.model_dump(exclude_none=True), turn]
         return [rollout.check_tokens(*s) for s in endpoint.segments(llm, 0.0)]
+
     async def tokens(llm):  # the same turns as token ids
         ep = agent.Episode(ids=(p := agent.prompt_ids(tok, ask)), loss_mask=[0] * len(p))
         for _ in range(3):
             await agent.model_turn(llm, ep)
             ep.append(agent.turn_suffix(tok, turn["content"]))
         return rollout.check_tokens(ep, llm.calls)
+
     async def episodes(fn, new):  # n at once; no stop token: every turn samples `new` tokens
         engine = rollout.TorchEngine(model, slots=n, max_len=320, max_new_tokens=new)
         server, loop = await endpoint.serve(tok, {}), asyncio.create_task(engine.run())  # {}: no sampling is sent
@@ -207,6 +223,7 @@ def bench_endpoint():
           f"{repeats}", ["tokens a turn", "endpoint + openai (measured)", "llm.generate (baseline)", "ratio", "target"],
           [(k, f"{n / v['chat']:.1f}", f"{n / v['generate']:.1f}", f"{v['generate'] / v['chat']:.2f}", ">= 0.8")
            for k, v in t.items()])
+
 
 BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
            "trainer": bench_trainer, "endpoint": bench_endpoint}

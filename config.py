@@ -7,6 +7,7 @@ import sys
 import types
 from dataclasses import asdict, dataclass, fields
 
+
 @dataclass
 class Config:
     # ---- run ----
@@ -86,6 +87,7 @@ class Config:
     queue_size: int = 32  # finished groups buffered between rollout and trainer (back-pressure beyond)
     deterministic: bool = False  # async, reproducibly: weights change between batches only; resume is exact
     max_bad_steps: int = 3  # stop after this many steps in a row with a non-finite gradient norm (each skipped)
+
     def __post_init__(self):
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
@@ -122,9 +124,11 @@ class Config:
             if not ok:
                 raise ValueError(f"config: {key}={getattr(self, key)!r} {why}")
 
+
 def field_docs():
     """The trailing comment of each field, read from this file's source (one place for the docs)."""
     return dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", open(__file__).read(), re.M))
+
 
 def _coerce(key, value, typ, cli=False):
     """A config file's Python value, or (cli=True) a command-line string, as typ; a file's "10" is no int."""
@@ -146,6 +150,7 @@ def _coerce(key, value, typ, cli=False):
         return value
     raise ValueError(f"config: {key}={value!r} is not a {typ.__name__}")
 
+
 def read_file(path, types_):
     """A config file's assignments (names without a leading underscore, modules aside), each checked."""
     if not path:
@@ -157,6 +162,7 @@ def read_file(path, types_):
     if unknown := next((k for k in scope if k not in types_), None):
         raise ValueError(f"config: unknown key {unknown!r} in {path}")
     return {k: _coerce(k, v, types_[k]) for k, v in scope.items()}
+
 
 def load(argv=None):
     """Parse `[--config file.py] [--key=value ...]` into a validated Config."""
@@ -180,6 +186,7 @@ def load(argv=None):
             overrides.append((k, v if eq else "true"))  # a bare flag: --resume
     # the command line wins over the file
     return Config(**values | {k: _coerce(k, v, types_[k], cli=True) for k, v in overrides})
+
 
 def to_dict(cfg):
     return asdict(cfg) | {"batch_size": cfg.batch_size}

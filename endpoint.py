@@ -17,6 +17,7 @@ import agent as agent_mod
 
 TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.S)  # the Qwen / Hermes format
 
+
 async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
     """Start the server on a free port of 127.0.0.1 in the running loop; sampling: the run's (no request changes it)."""
     server = {"tok": tokenizer, "sampling": sampling, "model": model, "ids": itertools.count(),
@@ -30,6 +31,7 @@ async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
     server["port"], server["runner"] = runner.addresses[0][1], runner
     return server
 
+
 def attach(server: dict, llm):
     """Give an episode's llm (a rollout.Policy) its base URL and an empty record; -> llm."""
     eid = f"{next(server['ids'])}"
@@ -37,6 +39,7 @@ def attach(server: dict, llm):
     llm.base_url, llm.api_key, llm.model = f"http://127.0.0.1:{server['port']}/ep/{eid}/v1", "nanomolt", server["model"]
     llm.segs, llm.lock, llm.counts = [], asyncio.Lock(), {"tool_calls": 0, "malformed_tool_calls": 0}
     return llm
+
 
 def segments(llm, result) -> list:
     """After a chat agent returned `result` (a reward, or {"reward": r, "info": {...}}): its episodes, one per
@@ -49,6 +52,7 @@ def segments(llm, result) -> list:
     for s in llm.segs:
         s["ep"].reward, s["ep"].info = float(reward), dict(llm.counts, **info, segments=len(llm.segs))
     return [(s["ep"], s["calls"]) for s in llm.segs]
+
 
 async def _handle(server, fn, request):
     try:
@@ -71,10 +75,12 @@ async def _handle(server, fn, request):
         code = "context_length_exceeded" if "max_len" in str(e) else None
         raise _error(str(e), code and ("prompt" if fn is _complete else "messages"), code) from None
 
+
 def _error(message, param=None, code=None, http=web.HTTPBadRequest):
     """An OpenAI-style error body (what the agent's client raises) as an aiohttp exception, for the handler to raise."""
     error = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
     return http(text=json.dumps({"error": error}), content_type="application/json")
+
 
 async def _sample(server, llm, body, text, ids=None):
     """Sample after the longest segment the prompt (text, or token ids when given) extends, else in a new segment; the
@@ -109,6 +115,7 @@ async def _sample(server, llm, body, text, ids=None):
     usage = dict(prompt_tokens=len(ids), completion_tokens=len(c.ids), total_tokens=len(ids) + len(c.ids))
     return sampled[:cut], finish, usage, c.ids
 
+
 async def _chat(server, llm, body):
     """One chat turn: the messages rendered with the chat template (with tools), sampled, tool calls parsed."""
     tok, msgs, tools = server["tok"], body.get("messages"), body.get("tools")
@@ -130,6 +137,7 @@ async def _chat(server, llm, body):
             finish = "tool_calls"
     return "chat.completion", {"message": msg, "finish_reason": finish}, usage
 
+
 async def _complete(server, llm, body):
     """A completion of one prompt, text or token ids. Its text is what was sampled, special tokens included, and
     token_ids the ids: prompt + either is the record, so a next prompt that starts with it continues the segment."""
@@ -138,6 +146,7 @@ async def _complete(server, llm, body):
         raise _error(f"prompt must be a non-empty string or list of token ids in [0, {n}), one prompt", "prompt")
     text, finish, usage, ids = await _sample(server, llm, body, *((p, None) if isinstance(p, str) else ("", p)))
     return "text_completion", {"text": text, "token_ids": ids, "finish_reason": finish}, usage
+
 
 def _tool_calls(text):
     """Every <tool_call>{"name": ..., "arguments": {...}}</tool_call> in text -> OpenAI tool_calls; None: one is bad."""

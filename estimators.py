@@ -14,13 +14,16 @@ from torch import Tensor
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: any ratio past this is clipped or masked anyway, and exp stays finite
 EPS = 1e-6              # added to a std before dividing, so an all-equal group cannot divide by zero
 
+
 def _masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of x over tokens where mask is 1 (over dim; None: all), 0 where nothing is sampled."""
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
+
 def _safe_exp(log_ratio: Tensor) -> Tensor:
     # clamp *before* exp: exp(100) is inf in fp32, and inf * 0 in backward is NaN even where a mask drops it
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
 
 # ---- advantages: per-episode scalars from per-episode rewards ----
 # rewards, group_ids: [N] (a prompt's episodes share an int id; sizes vary) -> [N], spread over sampled tokens
@@ -36,16 +39,19 @@ def _centre(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]
     var = zeros.index_add(0, idx, dev**2) / (count - 1).clamp(min=1)  # [G], a group of one has var 0
     return dev, var.sqrt()[idx], count[idx]
 
+
 def grpo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     """GRPO, Shao et al. 2024 (https://arxiv.org/abs/2402.03300): (r - group mean) / (group std + EPS).
     std is unbiased; a group of one or an all-equal group gets advantage 0."""
     dev, std, _ = _centre(rewards, group_ids)
     return dev / (std + EPS)
 
+
 def dr_grpo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Dr. GRPO, Liu et al. 2025 (https://arxiv.org/abs/2503.20783): r - group mean, no std division,
     because dividing by std up-weights prompts that are nearly always solved or nearly always failed."""
     return _centre(rewards, group_ids)[0]
+
 
 def rloo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     """RLOO, Kool et al. 2019 / Ahmadian et al. 2024 (https://arxiv.org/abs/2402.14740): r minus the mean of the
@@ -53,19 +59,23 @@ def rloo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     dev, _, n = _centre(rewards, group_ids)
     return dev * n / (n - 1).clamp(min=1)
 
+
 def reinforce_pp(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     """REINFORCE++, Hu 2025 (https://arxiv.org/abs/2501.03262): rewards whitened across the whole batch
     (batch mean and unbiased std), ignoring groups: GRPO over one group. group_ids: for the shared signature."""
     return grpo(rewards=rewards, group_ids=torch.zeros_like(group_ids))
+
 
 def reinforce_pp_baseline(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     """REINFORCE++-baseline (https://arxiv.org/abs/2501.03262): subtract the group mean (as Dr. GRPO),
     then whiten the result across the batch, so the scale is set by the batch and not by each group."""
     return reinforce_pp(rewards=_centre(rewards, group_ids)[0], group_ids=group_ids)
 
+
 def batch_mean(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Plain REINFORCE (Williams 1992) with a batch-mean baseline, no std division, for one sample per prompt."""
     return _centre(rewards, torch.zeros_like(group_ids))[0]
+
 
 def distill_advantage(*, teacher_logp: Tensor, old_logp: Tensor, loss_mask: Tensor) -> Tensor:
     """On-policy distillation (Agarwal et al. 2024, https://arxiv.org/abs/2306.13649; Thinking Machines 2025,
@@ -74,8 +84,10 @@ def distill_advantage(*, teacher_logp: Tensor, old_logp: Tensor, loss_mask: Tens
     where loss_mask is 0. Per token: not in ADVANTAGES (advantage="opd" adds it to GRPO's)."""
     return (teacher_logp - old_logp) * loss_mask
 
+
 ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
               "reinforce_pp_baseline": reinforce_pp_baseline, "batch_mean": batch_mean}
+
 
 # ---- policy losses: per-token loss [B, T] (zero where loss_mask is 0) and a clip fraction ----
 # logp [B, T]: the current policy, with grad; old_logp [B, T]: the policy the batch is scored against (the
@@ -97,6 +109,7 @@ def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor
         loss, was_clipped = torch.where(dual, cap, loss), was_clipped | dual  # both finite: where's backward is safe
     return loss * loss_mask, _masked_mean(was_clipped, loss_mask)
 
+
 def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
          clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
     """GSPO, Zheng et al. 2025 (https://arxiv.org/abs/2507.18071): one ratio per sequence, s = exp(mean of log r over
@@ -107,6 +120,7 @@ def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tenso
     # value sg(s), gradient flows through each token's own logp; logp - logp.detach() is exactly 0
     return ppo(logp=seq_log_ratio.detach()[:, None] + logp - logp.detach(), old_logp=torch.zeros_like(logp),
                advantages=advantages, loss_mask=loss_mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+
 
 def cispo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
           clip_low: float, clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
@@ -119,7 +133,9 @@ def cispo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tens
     clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
     return -weight * advantages * logp * loss_mask, _masked_mean(clipped, loss_mask)
 
+
 POLICY_LOSSES = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
+
 
 # ---- train-vs-rollout correction: detached weights [B, T] on ratio pi_old / pi_rollout ----
 # The engine (bf16 kernels, other batching) samples from pi_rollout, not quite the trainer's recompute pi_old;
@@ -130,12 +146,14 @@ def tis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float
     ratio = _safe_exp(old_logp - rollout_logp).detach()  # [B, T]
     return ratio.clamp(max=high), _masked_mean(ratio > high, loss_mask)
 
+
 def mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
     """Masked IS per token: weight 1 if low <= ratio <= high else 0; drops the token rather than
     trusting a reweighted one. IcePop, Ling Team 2025 (https://arxiv.org/abs/2510.18855)."""
     ratio = _safe_exp(old_logp - rollout_logp).detach()  # [B, T]
     keep = (ratio >= low) & (ratio <= high)
     return keep.to(ratio.dtype), _masked_mean(~keep, loss_mask)
+
 
 def seq_mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
     """Sequence-level masked IS, Liu, Li et al. 2025 "When Speed Kills Stability"
@@ -145,11 +163,14 @@ def seq_mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: f
     seq_log_ratio = _masked_mean(log_ratio, loss_mask, -1)[:, None].expand_as(old_logp)  # [B, T], each row its mean
     return mis(old_logp=seq_log_ratio, rollout_logp=torch.zeros_like(old_logp), loss_mask=loss_mask, low=low, high=high)
 
+
 def none(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
     """No correction: weight 1 everywhere, nothing clipped."""
     return torch.ones_like(old_logp), old_logp.new_zeros(())
 
+
 CORRECTIONS = {"tis": tis, "mis": mis, "seq_mis": seq_mis, "none": none}
+
 
 # ---- KL to a reference policy, per token [B, T], from sampled tokens only ----
 # Schulman's estimators (http://joschu.net/blog/kl-approx.html), r = ref_logp - logp. As *values* each estimates
@@ -159,22 +180,27 @@ def kl_k1(*, logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k1 = -r = logp - ref_logp. Unbiased, but negative half the time."""
     return logp - ref_logp
 
+
 def kl_k2(*, logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k2 = r^2 / 2. Biased but low variance; as a loss its expected gradient is the reverse-KL one."""
     return 0.5 * (logp - ref_logp) ** 2
+
 
 def kl_k3(*, logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 = exp(r) - 1 - r >= 0. Unbiased and low variance; r is clamped before exp."""
     r = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return r.exp() - 1 - r
 
+
 KL = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
 
 def entropy(*, logits: Tensor) -> Tensor:
     """Entropy of the full next-token distribution, [B, T, V] -> [B, T], in fp32 via log_softmax so a
     large logit cannot overflow. Differentiable, for logging or an entropy bonus. Unmasked."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]; a [B, T, V] fp32 copy, chunk if big
     return -(logp.exp() * logp).sum(-1)  # exp underflows to exactly 0 where logp is very negative
+
 
 # ---- aggregation: [B, T] per-token loss -> scalar ----
 # Micro-batches take the step-wide counts (over all micro-batches and ranks), so their gradients sum to the full
@@ -185,16 +211,19 @@ def token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None
     weighs the same, so long sequences weigh more (DAPO, https://arxiv.org/abs/2503.14476)."""
     return (per_token * loss_mask).sum() / (loss_mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
 
+
 def seq_mean_token_mean(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
                         num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
     """Mean over each sequence's sampled tokens, then sum / num_seqs (the step's sequence count; this
     batch's B if None). Original GRPO (https://arxiv.org/abs/2402.03300): every sequence weighs the same."""
     return _masked_mean(per_token, loss_mask, -1).sum() / (per_token.shape[0] if num_seqs is None else num_seqs)
 
+
 def seq_mean_token_sum(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
                        num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
     """Sum over each sequence's sampled tokens, then sum / num_seqs (this batch's B if None)."""
     return seq_mean_token_sum_norm(per_token=per_token, loss_mask=loss_mask, num_seqs=num_seqs, norm_const=1)
+
 
 def seq_mean_token_sum_norm(*, per_token: Tensor, loss_mask: Tensor, num_tokens: float | None = None,
                             num_seqs: float | None = None, norm_const: float | None = None) -> Tensor:
@@ -203,6 +232,7 @@ def seq_mean_token_sum_norm(*, per_token: Tensor, loss_mask: Tensor, num_tokens:
     defaults to T, this batch's padded length; pass the max generation length to keep it across micro-batches."""
     per_seq = (per_token * loss_mask).sum(-1) / (per_token.shape[-1] if norm_const is None else norm_const)
     return per_seq.sum() / (per_token.shape[0] if num_seqs is None else num_seqs)
+
 
 AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean,
                 "seq_mean_token_sum": seq_mean_token_sum, "seq_mean_token_sum_norm": seq_mean_token_sum_norm}

@@ -22,6 +22,7 @@ LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 VISION_FIELDS = ("vision_layers", "vision_hidden", "vision_heads", "image_size", "image_channels", "patch_size",
                  "image_token_id")
 
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 512
@@ -52,20 +53,25 @@ class ModelConfig:
     image_channels: int = 3
     patch_size: int = 4  # an image gives (image_size / patch_size)^2 features, one per placeholder token
     image_token_id: int = -1  # id of <|image_pad|>; -1: none
+
     def is_moe_layer(self, i):
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
     @property
     def n_moe_layers(self):
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
     @property
     def n_patches(self):  # features (and placeholder tokens) per image
         return (self.image_size // self.patch_size) ** 2
+
     @classmethod
     def load(cls, path):
         cfg_path = Path(path, "config.json")
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{cfg_path}: missing (not a Hugging Face model directory)")
         return cls.from_hf(json.loads(cfg_path.read_text()), cfg_path)
+
     @classmethod
     def from_hf(cls, d, path="config.json"):
         arch = (d.get("architectures") or ["?"])[0]
@@ -84,6 +90,7 @@ class ModelConfig:
             rope_scaling={k: rope[k] for k in LLAMA3_ROPE} if rope["rope_type"] == "llama3" else None,
             head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
             num_experts=d.get("num_experts", d.get("num_local_experts", 0)) if "Moe" in arch else 0))
+
     def to_hf(self):
         # vision fields only for a model that has an encoder: a text-only config.json stays as it was
         skip = ("family", "rope_scaling") + (() if self.vision_layers else VISION_FIELDS)
@@ -95,12 +102,15 @@ class ModelConfig:
                         rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
                         num_local_experts=self.num_experts)
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
     def forward(self, x):  # normalise in fp32 like the reference, then scale in the input dtype
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
 
 def inv_freq(c: ModelConfig, device):
     """-> (hd/2,) rotary frequencies, fp32 as in the reference. Llama 3 scaling (arXiv:2407.21783) divides by
@@ -112,6 +122,7 @@ def inv_freq(c: ModelConfig, device):
         f = (1 - keep) * f / s["factor"] + keep * f  # keep: 0 .. 1, linear in original_max / wavelength between
     return f
 
+
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -122,6 +133,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.attention_bias)
         norm = (lambda: RMSNorm(self.hd, c.rms_norm_eps)) if c.family == "qwen3" else nn.Identity  # per head
         self.q_norm, self.k_norm = norm(), norm()
+
     def forward(self, x, cos, sin, mask, cache=None):
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
@@ -134,13 +146,16 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
+
 class MLP(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (nn.Linear(i, o, bias=False)
                                                         for i, o in ((dim, hidden), (dim, hidden), (hidden, dim)))
+
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
 
 class LoRALinear(nn.Module):
     """LoRA (arXiv:2106.09685) on a frozen linear layer: y = x W^T + b + scale * (x A^T) B^T with A (r, in) random and
@@ -150,8 +165,10 @@ class LoRALinear(nn.Module):
         self.weight, self.bias, self.scale = base.weight, base.bias, scale
         self.lora_A = nn.Parameter(base.weight.new_empty(rank, base.in_features).normal_(0, base.in_features ** -0.5))
         self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, rank))
+
     def forward(self, x):
         return F.linear(x, self.weight, self.bias) + self.scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
+
 
 def add_lora(model, rank, scale, targets):
     """Each linear layer whose last name is in targets -> LoRALinear. MoE experts (stacked weights) and lm_head
@@ -164,6 +181,7 @@ def add_lora(model, rank, scale, targets):
         raise ValueError(f"config: lora_targets {sorted(missing)}: no such linear layer (MoE experts, lm_head: never)")
     return model
 
+
 def merge_lora(model, sd):
     """The model's state dict sd (whole, or its LoRA layers') -> (the merged one: W + scale * B @ A under the base
     names, what engines and transformers load; the adapters alone). sd {}: ({}, {})."""
@@ -174,6 +192,7 @@ def merge_lora(model, sd):
             merged[f"{n}.weight"] = merged[f"{n}.weight"] + m.scale * adapters[f"{n}.lora_B"] @ adapters[f"{n}.lora_A"]
     return merged, adapters
 
+
 class MoE(nn.Module):
     """Softmax router, top-k experts, SwiGLU experts stored stacked; tokens grouped per expert."""
     def __init__(self, c: ModelConfig):
@@ -182,6 +201,7 @@ class MoE(nn.Module):
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = nn.Linear(H, E, bias=False)  # the router
         self.w_gate, self.w_up, self.w_down = (nn.Parameter(torch.empty(E, *s)) for s in ((I, H), (I, H), (H, I)))
+
     def forward(self, x, replay=None, aux_mask=None):
         """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: tokens aux_loss counts (None: all)."""
         shape = x.shape
@@ -227,6 +247,7 @@ class MoE(nn.Module):
         y = (out.view(-1, k, H) * weights[..., None].to(x.dtype)).sum(1)  # each token's k rows, weighted
         return y.reshape(shape), experts.reshape(*shape[:-1], self.top_k)
 
+
 class Block(nn.Module):
     def __init__(self, c: ModelConfig, i):
         super().__init__()
@@ -234,11 +255,13 @@ class Block(nn.Module):
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MoE(c) if c.is_moe_layer(i) else MLP(c.hidden_size, c.intermediate_size)
+
     def forward(self, x, cos, sin, mask, cache=None, replay=None, aux_mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         h = self.post_attention_layernorm(x)
         h, experts = self.mlp(h, replay, aux_mask) if isinstance(self.mlp, MoE) else (self.mlp(h), None)
         return x + h, experts
+
 
 class KVCache:
     """One slot per request: k, v (L, S, nkv, max_len, hd). A row's token at position p sits at index p of its slot:
@@ -246,6 +269,7 @@ class KVCache:
     def __init__(self, c: ModelConfig, n_slots, max_len, dtype=torch.float32, device="cpu"):
         shape = (c.num_hidden_layers, n_slots, c.num_key_value_heads, max_len, c.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
     def bind(self, slots, positions):
         """For one forward of rows in slots (B,) at positions (B, T): -> n_keys and update(i, k, v), which writes
         layer i's k, v (B, nkv, T, hd) in and returns the slots' keys and values (B, nkv, n_keys, hd)."""
@@ -257,12 +281,14 @@ class KVCache:
         at = ((slots[:, None, None] * nkv + heads) * L + positions[:, None]).flatten()  # (B * nkv * T,)
         # slots first, first+1, ... (the engine's rows when all slots are busy): read them as a view, no copy
         in_order = torch.equal(slots, torch.arange(first, first + B, device=slots.device))
+
         def update(i, k, v):
             for cache, new in ((self.k[i], k), (self.v[i], v)):
                 cache.view(-1, hd).index_copy_(0, at, new.reshape(-1, hd))
             kv = self.k[i, :, :, :n_keys], self.v[i, :, :, :n_keys]  # (S, nkv, n_keys, hd) each, views
             return [t[first:first + B] if in_order else t.index_select(0, slots) for t in kv]
         return n_keys, update
+
 
 class VisionEncoder(nn.Module):
     """Images (N, C, H, W) in [0, 1] -> features (N, n_patches, hidden_size). A ViT in miniature (arXiv:2010.11929):
@@ -279,6 +305,7 @@ class VisionEncoder(nn.Module):
         self.norm = RMSNorm(D, c.rms_norm_eps)
         self.proj_in = nn.Linear(D, c.hidden_size, bias=False)
         self.proj_out = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+
     def forward(self, images):
         x = images.unfold(2, self.p, self.p).unfold(3, self.p, self.p)  # (N, C, H/p, W/p, p, p)
         x = x.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # (N, n_patches, C * p * p), in raster order
@@ -286,6 +313,7 @@ class VisionEncoder(nn.Module):
         for block in self.blocks:  # cos 1, sin 0: no rotation (positions are in pos_embed); mask None: see all
             x, _ = block(x, 1.0, 0.0, None)
         return self.proj_out(F.gelu(self.proj_in(self.norm(x))))  # (N, n_patches, hidden_size)
+
 
 class Transformer(nn.Module):
     def __init__(self, c: ModelConfig):
@@ -300,12 +328,14 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         if c.vision_layers:
             self.visual = VisionEncoder(c)  # keys visual.*: transformers loading the text part ignores them
+
     def init_weights(self, seed=0, std=0.02):
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             with torch.no_grad():
                 p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * std)
         return self
+
     def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,
                 return_routing=False, embeds=None, images=None, logits_at=None, aux_mask=None):
         """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)]. positions (B, T): default 0..T-1.
@@ -378,9 +408,11 @@ class Transformer(nn.Module):
         if c.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         return model
+
     def save_pretrained(self, path, state_dict=None):
         """Write config.json + model.safetensors. state_dict: a full (gathered) state dict, for FSDP."""
         save_pretrained(path, self.config, self.state_dict() if state_dict is None else state_dict)
+
 
 def to_hf_state(sd, c: ModelConfig):
     """Our state dict -> Hugging Face keys (experts split per expert; tied lm_head dropped)."""
@@ -393,6 +425,7 @@ def to_hf_state(sd, c: ModelConfig):
             out[k] = t
     return out
 
+
 def from_hf_state(hf, c: ModelConfig):
     """Hugging Face keys -> our state dict (per-expert tensors stacked)."""
     out = {k: t for k, t in hf.items() if ".experts." not in k}
@@ -401,12 +434,14 @@ def from_hf_state(hf, c: ModelConfig):
             out[f"{pre}.w_{w}"] = torch.stack([hf[f"{pre}.experts.{e}.{w}_proj.weight"] for e in range(c.num_experts)])
     return out
 
+
 def save_pretrained(path, c: ModelConfig, sd, hf_config=None):
     """config.json (hf_config, default c.to_hf()) + model.safetensors of our state dict sd."""
     os.makedirs(path, exist_ok=True)
     hf = {k: t.detach().contiguous().cpu() for k, t in to_hf_state(sd, c).items()}
     save_file(hf, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     Path(path, "config.json").write_text(json.dumps(hf_config or c.to_hf(), indent=2))
+
 
 def convert_gguf(gguf_path, out_dir=None):
     """GGUF file -> out_dir (default: its path + ".hf"; reused when there), a plain Hugging Face directory with fp32

@@ -40,12 +40,14 @@ import agent as agent_mod
 import endpoint
 from model_moe import KVCache, Transformer, save_pretrained, to_hf_state
 
+
 @dataclasses.dataclass
 class Completion:
     ids: list  # sampled token ids (the stop token included when it was sampled)
     logprobs: list  # logprob of each sampled id under the distribution it was drawn from
     versions: list  # policy version of the weights that sampled each id
     routing: torch.Tensor | None  # (len(prompt) + len(ids), n_moe_layers, top_k) int16, -1 where not computed
+
 
 def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
     """logits (B, V) -> logprobs (B, V) sampled from: temperature, top-k, then top-p over the renormalised top-k
@@ -61,6 +63,7 @@ def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
         logp = torch.log_softmax(logp.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf), dim=-1)
     return logp
 
+
 def uniform(keys):
     """keys (B, n) ints -> (B,) float64 in [0, 1): splitmix64 (Steele et al. 2014) folded over each row, a
     counter-based generator: the draw for (seed, episode, call, position) depends on nothing else, not the batch,
@@ -71,6 +74,7 @@ def uniform(keys):
         for s, m in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, 1)):
             h = (h ^ (h >> np.uint64(s))) * np.uint64(m)
     return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) / 2**53)  # the top 53 bits
+
 
 def sample(logits, u, *, temperature, top_p=1.0, top_k=0):
     """logits (B, V), u (B,) the rows' uniforms in [0, 1) -> ids (B,), logprobs (B,) under the filtered, renormalised
@@ -87,8 +91,10 @@ def sample(logits, u, *, temperature, top_p=1.0, top_k=0):
         ids = torch.searchsorted(cdf, torch.minimum(u, cdf[:, -1:].nextafter(u.new_zeros(()))), right=True)[:, 0]
     return ids, logp.gather(-1, ids[:, None])[:, 0]
 
+
 class ContextFull(ValueError):
     """The conversation has reached the engine's max_len: the rollout trains the episode so far as truncated."""
+
 
 @dataclasses.dataclass(eq=False)
 class _Request:
@@ -102,6 +108,7 @@ class _Request:
     fed: int = 0  # tokens whose keys are in the cache
     key: tuple = ()  # (episode, call): with the seed and a token's position, what its random draw is a function of
     images: torch.Tensor | None = None  # (N, C, H, W) for the prompt's placeholders; used by prefills only
+
 
 class TorchEngine:
     """Embedded engine: `await generate(ids)` from many agents; one `step()` runs one prefill (new rows) and one
@@ -125,6 +132,7 @@ class TorchEngine:
         self.requests = itertools.count()
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
         self.wake, self.tokens_generated, self.busy_s = asyncio.Event(), 0, 0.0
+
     async def generate(self, ids, max_new_tokens=None, images=None, key=None) -> Completion:
         """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
         if not ids or not all(isinstance(t, int) and 0 <= t < self.c.vocab_size for t in ids):  # fail this agent,
@@ -138,6 +146,7 @@ class TorchEngine:
         self.waiting.append(req)
         self.wake.set()
         return await req.future
+
     def set_weights(self, state, version):
         """Load new weights (a state dict; {}: the shared tensors hold them) as `version`. Rows in flight go on with
         their keys recomputed: a token tagged `version` is exactly what those weights sample (the recompute matches)."""
@@ -146,6 +155,7 @@ class TorchEngine:
         rows = [r for r in self.active.values() if r.fed > 0]
         if rows:  # no logits needed, only the keys
             self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows), prefill=True, logits=False)
+
     @torch.inference_mode()  # not no_grad: it also skips autograd's view and version tracking
     def _forward(self, rows, chunks, start, prefill=False, logits=True):
         """-> logits (B, V) at each row's last chunk token. prefill: the chunks hold every placeholder, so images go
@@ -174,6 +184,7 @@ class TorchEngine:
                     routing.permute(1, 2, 0, 3).to("cpu", torch.int16)[real]  # (n_real, n_moe, k)
             i += n
         return torch.cat(out) if logits else None
+
     def step(self):
         """One engine iteration. Returns the number of rows that decoded."""
         t0 = time.perf_counter()
@@ -194,6 +205,7 @@ class TorchEngine:
                 self._sample(rows, self._forward(rows, [r.ids[-1:] for r in rows], [r.fed for r in rows]))
         self.busy_s += time.perf_counter() - t0
         return len(new) + len(rows)
+
     def _sample(self, rows, logits):
         u = uniform([[self.seed, *r.key, len(r.ids)] for r in rows])  # (B,); len(r.ids): the new token's position
         ids, logps = sample(logits, u, **self.sampling)
@@ -208,6 +220,7 @@ class TorchEngine:
                 routing = self.routing[r.slot, :len(r.ids)].clone() if self.routing is not None else None
                 if not r.future.done():  # an agent cancelled by its timeout no longer waits
                     r.future.set_result(Completion(r.ids[r.prompt_len:], r.logprobs, r.versions, routing))
+
     async def run(self):
         while True:
             if not self.waiting and not self.active:
@@ -216,12 +229,14 @@ class TorchEngine:
             self.step()
             await asyncio.sleep(0)  # let agents react to finished rows before the next step
 
+
 class Policy:
     """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`. One per episode: it keeps
     what the engine was given and returned, to check the episode against (token identity)."""
     def __init__(self, engine, tokenizer, episode=None):
         self.engine, self.tokenizer, self.calls, self.closed = engine, tokenizer, [], False
         self.keys = None if episode is None else zip(itertools.repeat(episode), itertools.count())  # (episode, call)
+
     async def generate(self, ids, max_new_tokens=None, images=None):
         """images: a list of (C, H, W) tensors in [0, 1], one per run of placeholders in ids, in order."""
         if self.closed:  # the episode timed out: an agent that swallowed its cancellation gets no more tokens
@@ -231,6 +246,7 @@ class Policy:
         c = await self.engine.generate(ids, max_new_tokens, **kw)
         self.calls.append((list(ids), c, images))
         return c
+
 
 def check_images(ids, images, c):
     """-> the images as one tensor (N, C, H, W), or None. c: the engine's ModelConfig (None: it takes no images). A
@@ -253,10 +269,13 @@ def check_images(ids, images, c):
                          f"of {c.n_patches} patches each")
     return torch.stack(images).float() if images else None
 
+
 class Malformed(Exception):
     """An episode that fails check_tokens, check_images or validate: dropped, nothing malformed is trained."""
 
+
 COUNTS = ("agent_errors", "agent_timeouts", "malformed")  # episodes dropped, by cause
+
 
 def stop_ids(tok, model_dir):
     """Every end-of-turn id: the tokenizer's eos, <|im_end|> if it has one, and generation_config.json's eos ids."""
@@ -267,16 +286,19 @@ def stop_ids(tok, model_dir):
         ids |= set(eos if isinstance(eos, list) else [eos])
     return sorted(i for i in ids if i is not None)
 
+
 @functools.lru_cache(maxsize=4)
 def _tokenizer(path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
+
 
 def save_tokenizer(src, dst):
     """The tokenizer (its chat template too, in whatever file it came) and generation_config.json beside weights."""
     _tokenizer(src).save_pretrained(dst)
     if os.path.isfile(os.path.join(src, "generation_config.json")):
         shutil.copy(os.path.join(src, "generation_config.json"), dst)
+
 
 def check_tokens(ep, calls):
     """The trainer must train exactly the tokens the engine saw and sampled (ValueError otherwise). -> the
@@ -310,6 +332,7 @@ def check_tokens(ep, calls):
         raise ValueError(f"token mismatch: loss_mask marks {sum(ep.loss_mask)} tokens, the engine sampled {sampled}")
     return logprobs, versions, routing, torch.tensor([t for _, c, _ in calls for t in c.ids], dtype=torch.long)
 
+
 def truncated_episode(calls):
     """ContextFull: the conversation to its last completion, trained as is (dropping biases to short ones), reward 0."""
     prompt, c, images = calls[-1]
@@ -321,6 +344,7 @@ def truncated_episode(calls):
 
 # ---- the rollout process: agents -> episodes -> the shared-memory queue ----
 
+
 def episode_to_msg(ep, index, group, record):
     """An episode as named tensors (the queue moves them to shared memory, a group at a time: `pack`). record:
     check_tokens' (logprobs, versions, routing, engine_ids); the group is the rollout's, never the agent's."""
@@ -331,7 +355,9 @@ def episode_to_msg(ep, index, group, record):
             "reward": float(ep.reward), "group": group, "index": index,
             "info": {k: float(v) for k, v in ep.info.items()}}
 
+
 PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids", "images")  # tensors, length first
+
 
 def pack(group):
     """A group's messages -> one queue item whose tensor fields are concatenated over the episodes: the queue
@@ -342,6 +368,7 @@ def pack(group):
         item[k] = torch.cat(kept) if kept else None, [-1 if m[k] is None else len(m[k]) for m in group]
     return item
 
+
 def unpack(item):
     """pack's inverse: the group's messages (their tensors are views of the shared ones)."""
     msgs = item["msgs"]
@@ -351,6 +378,7 @@ def unpack(item):
         for m, s in zip(msgs, sizes):
             m[k] = next(parts) if s >= 0 else None
     return msgs
+
 
 def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, state):
     """Entry of the rollout process. link (start_rollout): weights (shared; None on disk), version, lock, out_q,
@@ -369,6 +397,7 @@ def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, state):
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # now: sys.exit would first wait for threads still blocked in HTTP calls to servers
+
 
 async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
     tok = _tokenizer(tokenizer_dir)
@@ -398,6 +427,7 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
     for t in done:  # neither returns: an engine or producer error ends the rollout process
         t.result()
 
+
 async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, state=None):
     """Run agents and queue each group whole, once all its episodes ended (its advantages compare the whole
     group). Staleness bound: a group starts only while fewer groups are live (started, not all failed) than
@@ -413,6 +443,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     knobs = {k: getattr(cfg, k) for k in ("seed", "group_size", "guess_max", "max_turns", "tool_timeout",
                                           "tool_memory_mb", "image_size", "patch_size", "task_file", "arith_prompt")}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
+
     async def one(task, index):
         llm = Policy(engine, tokenizer, index)
         endpoint.attach(server, llm)  # llm.base_url, llm.api_key, llm.model for chat agents
@@ -475,6 +506,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                 out_q.put_nowait(pending[0])
                 pending.popleft()
 
+
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, state=None, dropped=0):
     """Start the rollout process (trainer rank 0; state, dropped: a checkpoint's), and the servers unless
     cfg.server_urls names them. Weights go to shared memory (torch, sglang in memory) or a directory per version."""
@@ -502,12 +534,14 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
     return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write,
                    cfg.deterministic)
 
+
 class Rollout:
     """The trainer's handle on the rollout process (and on the inference servers it started)."""
     def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None, deterministic=False):
         self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
         self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
         self.held, self.idle, self.deterministic = deque(), None, deterministic  # held: settled groups, untrained
+
     def get(self, timeout=1.0):
         """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
         rollout process or a server it uses died. deterministic: the settled groups, in data order."""
@@ -515,6 +549,7 @@ class Rollout:
             self.settle()
         item = self.held.popleft() if self.held else None if self.deterministic else self._next(timeout)
         return None if item is None else unpack(item)
+
     def settle(self):
         """deterministic: wait for the rollout to report that all the published version admitted has ended, every
         drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`)."""
@@ -524,6 +559,7 @@ class Rollout:
                 self.idle = item if "idle" in item else self.idle
         self.held = deque(sorted(self.held, key=lambda item: item["msgs"][0]["index"]))
         return self.idle["state"]
+
     def _next(self, timeout):
         try:
             return self.q.get(timeout=timeout)
@@ -536,6 +572,7 @@ class Rollout:
             if not self.proc.is_alive():
                 raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}); its traceback is above")
             return None
+
     def publish(self, state, version):
         """Hand new weights to the engine as `version`: copied into its shared tensors (torch; sglang in
         memory: the rollout process broadcasts them), or written as a directory the servers load (disk)."""
@@ -552,10 +589,12 @@ class Rollout:
             self.version.value = version
         finally:
             self.lock.release()
+
     def drop(self, n):
         """The trainer dropped n groups (all their episodes too stale): let the rollout start n more."""
         with self.dropped.get_lock():
             self.dropped.value += n
+
     def close(self):
         if self.proc.is_alive():
             self.proc.kill()
@@ -569,8 +608,10 @@ class Rollout:
 # weight_sync "gloo" (CPU servers) / "nccl" (GPU): SGLang in memory, the rollout process broadcasting the shared
 # tensors `publish` fills (rank 0; server k: rank k + 1, tp 1). "disk" (vLLM; others): a directory per version.
 
+
 class ServerError(RuntimeError):
     """A server died, is unreachable or refused a call: the rollout stops (a dead server is never a hang)."""
+
 
 def _http(url, body=None, timeout=600.0):
     """POST `body` as JSON (GET when None) -> the decoded JSON answer, or its text."""
@@ -582,6 +623,7 @@ def _http(url, body=None, timeout=600.0):
         return json.loads(text)
     return text
 
+
 def vllm_command(model_dir, port, cfg, moe):
     """-> (arguments after the interpreter, environment) that start vLLM's OpenAI-compatible server."""
     argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
@@ -590,6 +632,7 @@ def vllm_command(model_dir, port, cfg, moe):
             "--generation-config", "vllm"]  # no sampling defaults from the checkpoint: ours are explicit
     # dev mode serves /pause, /resume, /collective_rpc, /reset_prefix_cache; the CPU build needs a KV size (GiB)
     return argv, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+
 
 def vllm_generate(url, ids, p, timeout):
     """/v1/completions, one token-id prompt a call (a list shares one seed: a group's equal prompts, equal samples)."""
@@ -601,6 +644,7 @@ def vllm_generate(url, ids, p, timeout):
     experts = c.get("routed_experts") and np.load(io.BytesIO(base64.b64decode(c["routed_experts"])))  # .npy bytes
     return [(c["token_ids"], c["logprobs"]["token_logprobs"], experts)]
 
+
 def vllm_load_weights(url, path, timeout):
     """Reload weights in place from `path`, between a pause (running requests finish) and a resume."""
     _http(url + "/pause?mode=wait", {}, timeout)
@@ -609,11 +653,13 @@ def vllm_load_weights(url, path, timeout):
         raise ServerError(f"{url}: /reset_prefix_cache failed after loading {path}")
     _http(url + "/resume", {}, timeout)
 
+
 def sglang_command(model_dir, port, cfg, moe):
     argv = ["-m", "sglang.launch_server", "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", cfg.dtype, "--context-length", str(cfg.engine_max_len), "--random-seed", str(cfg.seed),
             "--sampling-defaults", "openai"]  # no sampling defaults from the checkpoint: ours are explicit
     return argv + ["--enable-return-routed-experts"] * moe, {}
+
 
 def sglang_generate(url, ids, ps, timeout):
     """The native /generate with many prompts' input_ids -> per prompt (ids, logprobs, experts (T-1, layers, k))."""
@@ -626,17 +672,21 @@ def sglang_generate(url, ids, ps, timeout):
              m.get("routed_experts") and np.frombuffer(base64.b64decode(m["routed_experts"]), np.int32))
             for m in (a["meta_info"] for a in answers)]
 
+
 def sglang_load_weights(url, path, timeout):  # also flushes the radix cache: no prefix of the old weights is reused
     _http(url + "/update_weights_from_disk", {"model_path": path, "flush_cache": True}, timeout)
+
 
 def sglang_receive(url, meta, timeout):
     """Take one version by broadcast (meta: names, dtypes, shapes in broadcast order); 0.5.23 needs begin/end."""
     for path in ("begin_weight_update", "update_weights_from_distributed", "end_weight_update"):
         _http(f"{url}/{path}", meta if path.startswith("update") else {}, timeout)
 
+
 SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weights=vllm_load_weights, batched=False),
            "sglang": dict(command=sglang_command, generate=sglang_generate, load_weights=sglang_load_weights,
                           batched=True)}  # /generate takes many prompts: a tick's requests in one call (+30% tok/s)
+
 
 class ServerEngine:
     """Round-robin over the servers (data parallel), HTTP calls in threads; run() swaps weights."""
@@ -661,6 +711,7 @@ class ServerEngine:
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
         self.calls, self.in_flight, self.t_busy, self.tokens_generated, self.busy_s = itertools.count(), 0, 0.0, 0, 0.0
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
+
     async def generate(self, ids, max_new_tokens=None, key=None) -> Completion:
         max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
         if max_new <= 0:
@@ -683,6 +734,7 @@ class ServerEngine:
             # (T, n_moe_layers, k) as Completion has it: -1 for the last sampled token, never fed
             routing = torch.cat([routing, routing.new_full((1, *routing.shape[1:]), -1)])
         return Completion(out, logprobs, [version] * len(out), routing)
+
     def _submit(self, k, ids, p):
         """-> a future of server k's answer; where it takes lists, the requests of an event-loop tick share a call."""
         if not self.queued[k] or not self.api["batched"]:
@@ -690,6 +742,7 @@ class ServerEngine:
             asyncio.ensure_future(self._send(k, self.queued[k]))  # held by the loop, then by its HTTP call
         self.queued[k].append((ids, p, asyncio.get_running_loop().create_future()))
         return self.queued[k][-1][2]
+
     async def _send(self, k, batch):
         self.queued[k] = [] if self.queued[k] is batch else self.queued[k]  # closed: later requests start the next
         try:
@@ -699,12 +752,14 @@ class ServerEngine:
         for (*_, fut), out in zip(batch, outs):
             if not fut.done():  # its agent was cancelled meanwhile
                 fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
+
     def _count(self, d):
         """Requests in flight: busy_s is the time with at least one; `idle` is set when there are none."""
         now = time.perf_counter()
         self.busy_s += now - self.t_busy if self.in_flight else 0.0
         self.in_flight, self.t_busy = self.in_flight + d, now
         self.idle.set() if self.in_flight == 0 else self.idle.clear()
+
     async def _call(self, k, fn, *args):
         """fn(url of server k, *args) in a thread; any failure is a ServerError naming the server, with its log."""
         try:
@@ -714,6 +769,7 @@ class ServerEngine:
                               f"{log_tail(self.logs[k])}") from e
         except OSError as e:  # refused, reset, timed out
             raise ServerError(f"server {self.urls[k]} is unreachable ({e}){log_tail(self.logs[k])}") from e
+
     async def run(self):
         """On a new shared version: close admission, wait for the requests in flight, move every server to
         it (in memory or from its directory), reopen. Tokens sampled after that are tagged with it."""
@@ -734,6 +790,7 @@ class ServerEngine:
                         shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
             self.open.set()
             await asyncio.sleep(0.01)
+
     async def _sync_in_memory(self):
         """Broadcast the shared tensors to every server -> their version. The first call forms the group."""
         loop, n, gloo = asyncio.get_running_loop(), len(self.urls), self.sync == "gloo"
@@ -755,6 +812,7 @@ class ServerEngine:
                 dict(join, rank_offset=k + 1)) for k in range(n)))  # each join answers once all ranks joined
             self.meta = {"names": list(self.hf), "dtypes": [str(t.dtype)[6:] for t in self.hf.values()],  # "torch.x"
                          "shapes": [list(t.shape) for t in self.hf.values()], "group_name": name, "flush_cache": True}
+
         def broadcast():  # in a thread, under the weights lock (the trainer never writes mid-broadcast)
             with self.lock:
                 for t in self.hf.values():
@@ -763,6 +821,7 @@ class ServerEngine:
         version, *_ = await asyncio.gather(loop.run_in_executor(self.pool, broadcast), *(
             self._call(k, sglang_receive, self.meta, self.timeout) for k in range(n)))
         return version
+
 
 def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     """The trainer's full state dict as a Hugging Face directory `<weights_dir>/v<version>` -> its path; written under
@@ -776,6 +835,7 @@ def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
+
 
 def start_server(kind, model_dir, cfg, log, moe=False):
     """Start a server as a child process (in its own process group, so stop_server reaches its workers),
@@ -797,6 +857,7 @@ def start_server(kind, model_dir, cfg, log, moe=False):
         raise
     return proc, url
 
+
 def wait_healthy(url, timeout, proc=None, log=None):
     deadline = time.monotonic() + timeout
     while proc is None or proc.poll() is None:
@@ -807,6 +868,7 @@ def wait_healthy(url, timeout, proc=None, log=None):
         time.sleep(1)
     raise ServerError(f"server {url} exited with code {proc.returncode} while starting{log_tail(log)}")
 
+
 def stop_server(proc):
     """Stop a server started by start_server and every process of its group (vLLM has engine workers)."""
     with contextlib.suppress(ProcessLookupError):
@@ -815,6 +877,7 @@ def stop_server(proc):
             proc.wait(timeout=15)
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
 
 def log_tail(path, n_bytes=3000):
     """'; last lines of <path>: ...' for error messages ('' when there is no log)."""

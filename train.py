@@ -36,6 +36,7 @@ from model_moe import LoRALinear, ModelConfig, Transformer, add_lora, convert_gg
 
 # ---- distributed: the same script runs under python and torchrun ----
 
+
 def compute_init(cfg):
     """-> (rank, world, device, fsdp). Under torchrun one group for both devices (a CPU tensor in a collective needs
     gloo); one process with dtype != float32 gets a group of one, so mixed precision goes through FSDP2."""
@@ -50,7 +51,9 @@ def compute_init(cfg):
     fsdp = dist.is_initialized()
     return dist.get_rank() if fsdp else 0, dist.get_world_size() if fsdp else 1, device, fsdp
 
+
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
 
 def full_state(model, fsdp, changed=False, merged=True):
     """The whole (unsharded) state dict on rank 0, on CPU, LoRA adapters merged in (model_moe.merge_lora) unless
@@ -64,10 +67,12 @@ def full_state(model, fsdp, changed=False, merged=True):
 
 # ---- the policy ----
 
+
 def latest_checkpoint(cfg):
     """<out_dir>/ckpt, or ckpt.old if a crash (even kill -9) came between the two renames of a save."""
     dirs = [os.path.join(cfg.out_dir, name) for name in ("ckpt", "ckpt.old")]
     return next((d for d in dirs if os.path.isfile(os.path.join(d, "trainer.pt"))), None)
+
 
 def same_architecture(a_dir, b_dir, expected=None):
     """Refuse to continue from weights of another architecture or vocabulary, naming the difference."""
@@ -75,6 +80,7 @@ def same_architecture(a_dir, b_dir, expected=None):
     diff = [f"{k}: {a[k]} vs {b[k]}" for k in a if k != "max_position_embeddings" and a[k] != b[k]]
     if diff:
         raise ValueError(f"{a_dir} does not match {b_dir}: {'; '.join(diff)} (use another out_dir)")
+
 
 def tiny_init(cfg, rank, fsdp):
     """The "tiny" model: a small MoE and a tokenizer made here from scratch (no download), in <out_dir>/tiny-init."""
@@ -100,6 +106,7 @@ def tiny_init(cfg, rank, fsdp):
     if fsdp:
         dist.barrier()
     return path
+
 
 def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
     """The policy (frozen: a reference or teacher) from a HF directory. FSDP: built on the meta device, sharded; rank 0
@@ -129,6 +136,7 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
 
 # ---- batches: episodes -> padded tensors ----
 
+
 def collate(msgs, device):
     """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k) with -1 padding."""
     def pad(key, value):
@@ -144,10 +152,12 @@ def collate(msgs, device):
             raise AssertionError(f"episode {msg['index']}: trained token ids differ from the engine's sampled ids")
     return {k: (v.to(device) if v is not None else None) for k, v in b.items()} | {"index": [m["index"] for m in msgs]}
 
+
 # A rank with no episode in a micro-batch still runs it (FSDP's collectives pair up forward by forward, the
 # reference's too): on one row of two untrained tokens, which adds exactly nothing to loss and gradients.
 EMPTY = {"ids": torch.zeros(2, dtype=torch.long), "loss_mask": torch.zeros(2), "versions": torch.full((2,), -1),
          "logprobs": torch.zeros(2), "routing": None, "engine_ids": torch.zeros(0, dtype=torch.long), "index": -1}
+
 
 def split_batch(msgs, advantages, world, budget):
     """The episodes of one update -> per rank, a list of micro-batches of (msg, advantage) pairs. Sorted by length
@@ -164,6 +174,7 @@ def split_batch(msgs, advantages, world, budget):
     n = max(1, *map(len, ranks))
     return [mbs + [[] for _ in range(n - len(mbs))] for mbs in ranks]
 
+
 def make_shares(msgs, advantages, world, cfg):
     """Rank 0: the batch -> each rank's share: per update (mini-batch, in data order), its micro-batches and
     the mini-batch's token and episode counts (what the aggregation divides by)."""
@@ -174,6 +185,7 @@ def make_shares(msgs, advantages, world, cfg):
     return [{"mini_batches": [p[r] for p in per_rank], "counts": counts} for r in range(world)]
 
 # ---- one optimizer step: recompute -> loss -> metrics ----
+
 
 def token_logp(model, b, cfg, logits=None, filtered=True):
     """-> logits (n, V) before each trained token; logp (B, T-1) of each (0 elsewhere) under the engine's filter
@@ -187,6 +199,7 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
     # a token outside the filter of these weights (a stale one) has probability 0: a finite floor, no gradient
     tok_logp = logp.gather(-1, ids[:, 1:][sel][:, None])[:, 0].clamp(min=-1e4)
     return logits, torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, tok_logp)
+
 
 def micro_loss(model, b, cfg, counts, adv, world):
     """-> (loss to backward, its loss metrics (LOSS_KEYS), pi_old's logp); b may hold the recompute (old_logp, ...)."""
@@ -221,8 +234,10 @@ def micro_loss(model, b, cfg, counts, adv, world):
     # FSDP averages gradients over ranks; the aggregation already divides by the update's counts
     return (loss + cfg.router_aux_coef * aux) * world, m, old
 
+
 LOSS_KEYS = ["loss", "clip", "corr", "entropy", "kl", "router_aux", "distill_gap", "flips", "flip_n"]  # over updates
 CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum"]  # counted once per step
+
 
 def consistency(b, old_logp, version, max_staleness):
     """Staleness of every trained token and the trainer-vs-engine mismatch on the tokens the current weights
@@ -234,6 +249,7 @@ def consistency(b, old_logp, version, max_staleness):
     hist = torch.bincount(stale.clamp(max=max_staleness), minlength=max_staleness + 1)
     vec = torch.cat([torch.stack([sel.sum(), d.abs().sum(), kl.sum(), fresh.sum(), stale.sum()]).double(), hist])
     return vec, int(stale.max()) if stale.numel() else 0
+
 
 def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
     """This rank's share of a step: recompute, then ppo_epochs x mini-batch updates. share: from make_shares.
@@ -266,6 +282,7 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
                 opt.step()
     return torch.cat([losses.double(), checks]), stale_max, norms
 
+
 def reduce_metrics(vec, stale_max, world):
     """Sum the ranks' metric vectors (on the device: NCCL has no CPU tensors), max of their staleness."""
     if world > 1:
@@ -275,6 +292,7 @@ def reduce_metrics(vec, stale_max, world):
         stale_max = int(m.item())
     v, n = vec.tolist(), len(LOSS_KEYS) + len(CONSISTENCY_KEYS)
     return dict(zip(LOSS_KEYS + CONSISTENCY_KEYS, v[:n])), stale_max, [int(x) for x in v[n:]]
+
 
 def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, rollout_rate):
     """The metrics.jsonl line of a step. s: the reduced sums; times: {"step", "wait_rollout", "train", ...}."""
@@ -302,6 +320,7 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
 
 # ---- checkpoints: a Hugging Face directory + trainer state, written atomically ----
 
+
 def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
     full, state["adapters"] = merge_lora(model, full_state(model, fsdp, merged=False))  # (state: this save's copy)
     osd = get_optimizer_state_dict(model, opt, options=FULL) if fsdp else opt.state_dict()
@@ -323,6 +342,7 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
     if fsdp:
         dist.barrier()
 
+
 def load_trainer_state(saved, model, opt, fsdp):
     """saved: trainer.pt's dict or None -> all but the weights (step, data position, counters); restores opt and rng."""
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
@@ -336,7 +356,9 @@ def load_trainer_state(saved, model, opt, fsdp):
         torch.set_rng_state(state.pop("rng"))
     return state | {"counters": counters | state.get("counters", {})}
 
+
 RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights")
+
 
 def check_out_dir(cfg):
     """A new run never destroys an earlier one's files: resume it, or say to overwrite it (rank 0 deletes them)."""
@@ -350,6 +372,7 @@ def check_out_dir(cfg):
 
 # ---- logging: metrics.jsonl, one console line, episodes dumped for reading ----
 
+
 def log_step(cfg, m):
     """A step's metrics: one line of metrics.jsonl (read it with plot.py, pandas or any logger) and one console line."""
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
@@ -359,6 +382,7 @@ def log_step(cfg, m):
           f"stale {m['staleness/mean']:.2f}/{m['staleness/max']} | mismatch {'-' if mm is None else f'{mm:.1e}'} "
           f"| {m['time/step']:.2f}s (wait {m['time/wait_rollout']:.2f}s) | "
           f"tok/s {m['throughput/rollout_tokens_per_s']:.0f}", flush=True)
+
 
 def dump_episodes(cfg, step, msgs, tokenizer, n=4):
     with open(os.path.join(cfg.out_dir, "episodes.jsonl"), "a") as f:
@@ -370,7 +394,9 @@ def dump_episodes(cfg, step, msgs, tokenizer, n=4):
 
 # ---- the loop ----
 
+
 STOP = {"signal": None}  # set by SIGTERM / Ctrl-C; the loop checkpoints and exits at the next step
+
 
 def take_batch(cfg, ro, version, counters):
     """Rank 0: prompts_per_step whole groups, less episodes past the staleness bound (dropped, counted), in data order
@@ -400,6 +426,7 @@ def take_batch(cfg, ro, version, counters):
         os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
         torch.save(msgs, os.path.join(cfg.out_dir, "rollouts", f"step_{version + 1}.pt"))
     return msgs, wait
+
 
 def main(argv=None):
     cfg = config.load(argv)
@@ -515,6 +542,7 @@ def main(argv=None):
             ro.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

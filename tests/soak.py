@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -135,7 +134,7 @@ def summarize(args, out, samples, wall, rc, stop_step, left):
              f"- skipped (non-finite) steps: {last.get('train/skipped_steps')}; staleness max "
              f"{max(m['staleness/max'] for m in ms)}; mismatch max "
              f"{max((m['mismatch/logprob_abs_diff'] or 0) for m in ms):.1e}",
-             f"- counters at the last step: " + ", ".join(f"{k} {last.get(k)}" for k in (
+             "- counters at the last step: " + ", ".join(f"{k} {last.get(k)}" for k in (
                  "rollout/agent_errors", "rollout/agent_timeouts", "rollout/malformed", "rollout/dropped_stale")),
              f"- trained episodes: tool calls {total('tool_calls'):.0f}, tool errors {total('tool_errors'):.0f}, "
              f"uncontained {total('tool_uncontained'):.0f}, "

@@ -1,23 +1,14 @@
 """agent.py: tokenizer, Episode bookkeeping, built-in tasks against a scripted fake llm, loading, task streams."""
 import asyncio
 import math
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 import agent
 from agent import Episode, load_agent, make_task, make_tokenizer, prompt_ids, turn_suffix
 from rollout import check_tokens
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    make_tokenizer(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def end_id(tok):

@@ -15,17 +15,9 @@ import config
 import endpoint
 from model_moe import ModelConfig, Transformer
 from rollout import Completion, Policy, TorchEngine, check_tokens
-from test_rollout import collect, drive, engine_for
+from test_rollout import collect, drive
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-    path = tmp_path_factory.mktemp("tok")
-    agent.make_tokenizer(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def dense_engine(tok, seed=0, **kw):

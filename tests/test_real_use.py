@@ -11,12 +11,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import agent
 import config
 import rollout
 import train
 from model_moe import ModelConfig, Transformer
-from test_rollout import collect, engine_for, tok  # noqa: F401 (tok is a fixture)
+from test_rollout import collect, engine_for
 from test_train import ENV, ROOT, metrics, run_train
 
 

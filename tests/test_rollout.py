@@ -159,20 +159,12 @@ import queue
 
 import agent
 import config
-from rollout import Malformed, Policy, check_tokens, produce
+from rollout import Policy, check_tokens, produce
 
 
 class Counter:  # stands in for the shared mp.Value the trainer bumps
     def __init__(self, value=0):
         self.value = value
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-    path = tmp_path_factory.mktemp("tok")
-    agent.make_tokenizer(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def engine_for(tok, seed=0):

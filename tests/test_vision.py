@@ -80,14 +80,6 @@ def test_without_images_exactly_the_text_only_logits(tmp_path):
 
 # ---- the engine and agents with images: the count task over several turns ----
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-    path = tmp_path_factory.mktemp("tok")
-    agent.make_tokenizer(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
-
-
 def count_model(tok, seed, top_k=2):
     return vlm(seed, vocab=len(tok), pad=tok.convert_tokens_to_ids(agent.IMAGE_PAD), top_k=top_k)
 

@@ -8,8 +8,6 @@ server's PYTHONPATH.
 """
 import ctypes
 
-import torch
-
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
     """Row i of the batch: req_to_token[req_pool_indices[i], start[i]:end[i]] = its slice of out_cache_loc,
