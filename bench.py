@@ -13,6 +13,7 @@ import tempfile
 import timeit
 from statistics import mean, median as med, stdev, variance
 
+USER_ENV = dict(os.environ)  # train.py and TRL run in the caller's environment, as their users run them
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning waiters fight for cores (~10x slower)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # generate() warns about flags it ignores on this model
 import torch  # noqa: E402
@@ -49,7 +50,7 @@ def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] * (ranks > 1)
     with tempfile.TemporaryDirectory() as d:
         p = subprocess.run([cmd[0], *launch, *cmd[1:], *GUESS, f"--out_dir={d}", *overrides], cwd=cwd,
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, env=USER_ENV)
         if p.returncode != 0:
             raise RuntimeError(f"{cmd[-1]} {overrides} failed ({p.returncode}):\n{p.stderr[-3000:]}")
         with open(os.path.join(d, "metrics.jsonl")) as f:
