@@ -149,7 +149,7 @@ async def model_turn(llm, ep: Episode) -> str:
 # We do not use preexec_fn: it runs Python between fork and exec, which can deadlock in a threaded
 # parent (and the rollout process has threads); the prelude runs in a fresh single-threaded interpreter.
 _PRELUDE = """
-import ctypes, os, resource, struct, sys
+import ctypes, os, resource, select, struct, sys
 uid, mem, nproc, cpu, parent, abi_max, unsafe = map(int, sys.argv[1:8]); sys.argv = ["main.py"]
 libc = ctypes.CDLL(None, use_errno=True)
 def check(r):
@@ -169,10 +169,10 @@ if not err:  # without root: its ids mapped to themselves, RLIMIT_NPROC counts t
     opts = b"size=%dm,nr_inodes=4096,mode=777" % mem  # the disk quota; 777: only this call's processes see it
     check(libc.mount(b"tmpfs", os.getcwd().encode(), b"tmpfs", 6, opts))  # MS_NOSUID | MS_NODEV
     os.chdir(os.getcwd()); open("main.py", "wb").write(code)
-    r, w = os.pipe()
-    if os.fork() == 0:  # the pid namespace's init: dies with us (PDEATHSIG), and the kernel then kills all in it
-        libc.prctl(1, 9, 0, 0, 0); os.write(w, b"."); libc.pause(); os._exit(0)
-    os.read(r, 1); os.close(r); os.close(w)  # its PDEATHSIG is armed before any of the model's code runs
+    pfd = os.pidfd_open(os.getpid())  # the pid namespace's init exits with us, and the kernel then kills all in it;
+    if os.fork() == 0:  # it waits on a pidfd: a PDEATHSIG from us would be refused (our new uid, Landlock's scope)
+        select.select([pfd], [], []); os._exit(0)
+    os.close(pfd)  # the model's code sees no fds but 0, 1, 2
 if abi >= 1:  # Landlock (Linux >= 5.13): writes only in the cwd; reads only there, in the Python it runs, system libs
     fs = (1 << 13) - 1 | (abi >= 2) << 13 | (abi >= 3) << 14 | (abi >= 5) << 15  # every fs right this ABI knows
     # (fs rights, TCP bind+connect from ABI 4: all denied, scoped from ABI 6: abstract unix sockets and signals)

@@ -114,6 +114,26 @@ def test_children_that_leave_the_process_group_are_killed_too():
     assert alive_with_comm(marker) == []
 
 
+def test_children_that_leave_the_process_group_die_with_the_caller():
+    # kill -9 of the caller (the rollout): no killpg runs, the tool's death alone must take its escaped children along
+    marker = f"nmorph{os.getpid() % 10**6}"
+    code = ESCAPE.format(marker=marker).replace('print("forked")', 'print("forked")\ntime.sleep(100)')
+    caller = subprocess.Popen([sys.executable, "-c", f"import asyncio, agent\nasyncio.run(agent.run_tool({code!r}, "
+                               "timeout_s=100))"], env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    try:
+        deadline = time.monotonic() + 30
+        while len(alive_with_comm(marker)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(alive_with_comm(marker)) == 4, "the tool and its 3 children never started"
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 10
+    while alive_with_comm(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive_with_comm(marker) == []
+
+
 def test_bytes_written_are_capped_per_call():
     # each file stays under RLIMIT_FSIZE (memory_mb); together they are 2.5 times the call's quota
     code = """
