@@ -55,7 +55,8 @@ class Config:
     episode_timeout: float = 120.0  # seconds before an agent is cancelled and its episode dropped
     max_failed_groups: int = 20  # stop the run after this many groups in a row whose every episode failed
     tool_timeout: float = 5.0  # seconds of wall time for one tool call
-    tool_memory_mb: int = 256  # address-space limit of a tool call
+    tool_memory_mb: int = 256  # address-space limit of a tool call, and its quota of bytes written
+    sandbox_unsafe: bool = False  # run tools even where a wall of the sandbox is missing: trusted code only
     # ---- algorithm ----
     advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean | opd
     teacher: str = ""  # opd (on-policy distillation): the frozen teacher's HF directory (the student's tokenizer)

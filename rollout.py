@@ -440,8 +440,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     counts = {"index": first * G, "base": first - engine.version * P} | dict.fromkeys(COUNTS, 0) | (state or {})
     index, base, in_a_row, running, groups, idle = counts.pop("index"), counts.pop("base"), 0, {}, {}, None
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
-    knobs = {k: getattr(cfg, k) for k in ("seed", "group_size", "guess_max", "max_turns", "tool_timeout",
-                                          "tool_memory_mb", "image_size", "patch_size", "task_file", "arith_prompt")}
+    knobs = {k: getattr(cfg, k) for k in ("seed group_size guess_max max_turns tool_timeout tool_memory_mb "
+                                          "sandbox_unsafe image_size patch_size task_file arith_prompt").split()}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
 
     async def one(task, index):

@@ -1,6 +1,7 @@
 """The tool sandbox turns hangs, crashes, memory blow-ups, fork bombs and escapes into error observations."""
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import agent  # noqa: E402
 from agent import run_tool  # noqa: E402
 
 ROOT = os.geteuid() == 0
@@ -73,9 +75,7 @@ def test_memory_hog_fails_with_an_error():
     assert not ok and "MemoryError" in out and "allocated" not in out
 
 
-def test_fork_bomb_is_capped_and_leaves_no_processes():
-    marker = f"nmbomb{os.getpid() % 10**6}"
-    code = f"""
+BOMB = """
 import ctypes, os, time
 ctypes.CDLL(None).prctl(15, b"{marker}")  # PR_SET_NAME, inherited by every fork
 n = 0
@@ -89,16 +89,7 @@ except OSError:
     print("fork refused after", n)
 time.sleep(100)
 """
-    ok, out = run(code, timeout_s=1.5, max_procs=16)
-    assert not ok and "timed out" in out
-    assert "fork refused after" in out and int(out.split()[-1]) < 16
-    assert alive_with_comm(marker) == []
-
-
-@pytest.mark.skipif(not ROOT, reason="escaping the process group is only reaped when running as root")
-def test_children_that_leave_the_process_group_are_killed_too():
-    marker = f"nmsetsid{os.getpid() % 10**6}"
-    code = f"""
+ESCAPE = """
 import ctypes, os, time
 ctypes.CDLL(None).prctl(15, b"{marker}")
 for _ in range(3):
@@ -107,9 +98,90 @@ for _ in range(3):
         time.sleep(100)
 print("forked")
 """
-    ok, out = run(code)
-    assert ok and out == "forked\n"
+
+
+def test_fork_bomb_is_capped_and_leaves_no_processes():
+    marker = f"nmbomb{os.getpid() % 10**6}"
+    ok, out = run(BOMB.format(marker=marker), timeout_s=1.5, max_procs=16)
+    assert not ok and "timed out" in out
+    assert "fork refused after" in out and 8 <= int(out.split()[-1]) < 16  # forks work, up to the limit
     assert alive_with_comm(marker) == []
+
+
+def test_children_that_leave_the_process_group_are_killed_too():
+    marker = f"nmsetsid{os.getpid() % 10**6}"
+    assert run(ESCAPE.format(marker=marker)) == (True, "forked\n")
+    assert alive_with_comm(marker) == []
+
+
+def test_children_that_leave_the_process_group_die_with_the_caller():
+    # kill -9 of the caller (the rollout): no killpg runs, the tool's death alone must take its escaped children along
+    marker = f"nmorph{os.getpid() % 10**6}"
+    code = ESCAPE.format(marker=marker).replace('print("forked")', 'print("forked")\ntime.sleep(100)')
+    caller = subprocess.Popen([sys.executable, "-c", f"import asyncio, agent\nasyncio.run(agent.run_tool({code!r}, "
+                               "timeout_s=100))"], env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    try:
+        deadline = time.monotonic() + 30
+        while len(alive_with_comm(marker)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(alive_with_comm(marker)) == 4, "the tool and its 3 children never started"
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 10
+    while alive_with_comm(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive_with_comm(marker) == []
+
+
+def test_bytes_written_are_capped_per_call():
+    # each file stays under RLIMIT_FSIZE (memory_mb); together they are 2.5 times the call's quota
+    code = """
+chunk = b"x" * (1 << 20)
+for i in range(4):
+    with open(f"f{i}", "wb") as f:
+        for _ in range(40):
+            f.write(chunk)
+print("WRO" + "TE")
+"""
+    ok, out = run(code, memory_mb=64)
+    assert not ok and "No space left on device" in out and "WROTE" not in out
+
+
+@pytest.mark.skipif(not ROOT, reason="throwaway uids are allocated only as root")
+def test_a_uid_is_never_shared_by_two_live_calls():
+    marker = f"nmslow{os.getpid() % 10**6}"
+
+    async def wrap():
+        slow = asyncio.ensure_future(run_tool(f"import ctypes, time; ctypes.CDLL(None).prctl(15, b'{marker}'); "
+                                              "time.sleep(300)", timeout_s=300))
+        while not (pids := alive_with_comm(marker)):
+            await asyncio.sleep(0.05)
+        uid, limit = os.stat(f"/proc/{pids[0]}").st_uid, asyncio.Semaphore(8)
+
+        async def quick():
+            async with limit:
+                return await run_tool("import os; print(os.getuid())")
+        quick = await asyncio.gather(*[quick() for _ in range(300)])  # more calls than a process has uids
+        alive = not slow.done()
+        slow.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await slow
+        return uid, alive, quick, slow
+
+    uid, alive, quick, slow = asyncio.run(wrap())
+    assert alive, slow.result()  # no other call's end killed it
+    assert all(ok for ok, _ in quick) and uid not in {int(out) for _, out in quick}
+    assert alive_with_comm(marker) == []
+
+
+@pytest.mark.parametrize("abi, missing", [(5, "Landlock ABI 5 < 6"), (0, "no Landlock")])
+def test_a_missing_wall_is_refused_naming_it_and_the_opt_out(abi, missing, monkeypatch):
+    monkeypatch.setattr(agent, "LANDLOCK_ABI_MAX", abi, raising=False)  # play an older kernel
+    with pytest.raises(RuntimeError) as e:
+        run("print('RAN')")
+    assert missing in str(e.value) and "sandbox_unsafe" in str(e.value)
+    assert run("print('RAN')", unsafe=True) == (True, "RAN\n")  # the explicit opt-out runs it without that wall
 
 
 def test_huge_output_is_capped():
@@ -258,7 +330,6 @@ for args in [({SYSCALLS[0]}, 2, 1, 0), ({SYSCALLS[1]}, 8, None)]:
     assert run(code) == (True, "-1 1\n-1 1\n")  # EPERM both times
 
 
-@pytest.mark.skipif(not ROOT, reason="a network namespace of its own needs root (CAP_SYS_ADMIN)")
 def test_tool_runs_in_its_own_network_namespace():
     marker = f"nmnetns{os.getpid() % 10**6}"
 
@@ -281,10 +352,14 @@ NOBODY_PYTHON = next((p for p in ["/usr/bin/python3", "/usr/local/bin/python3"] 
 @pytest.mark.skipif(not (ROOT and NOBODY_PYTHON), reason="needs root to become nobody and a Python nobody can run")
 def test_as_a_non_root_user_the_sandbox_still_holds():
     # The uid -1 path: run_tool's own code (agent.py's tools section, not importable there: no torch) under a
-    # system Python as nobody, so the tool runs as the caller's own uid and only Landlock and seccomp stand between.
+    # system Python as nobody, beside 20 threads as a trainer has: the tool gets a user, network, mount and pid
+    # namespace of its own where the kernel allows them unprivileged, and is refused where it does not.
+    userns = subprocess.run([NOBODY_PYTHON, "-I", "-c", "import ctypes; exit(ctypes.CDLL(None).unshare(0x50000000))"],
+                            user=65534, group=65534, extra_groups=[]).returncode == 0  # CLONE_NEWUSER | NEWNET
+    abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1)
     src = (Path(__file__).parents[1] / "agent.py").read_text()
     tools = src[src.index("# ---- tools"):src.index("# ---- built-in tasks")]
-    public = Path(tempfile.mkdtemp(prefix="nanomolt_public_"))
+    public, bomb, escape = Path(tempfile.mkdtemp(prefix="nanomolt_public_")), *(f"nm{k}{os.getpid() % 10**6}" for k in "be")
     try:
         public.chmod(0o755)
         (public / "notes.txt").write_text("public-but-not-for-tools")
@@ -294,28 +369,44 @@ def test_as_a_non_root_user_the_sandbox_still_holds():
                       "tcp": f"import socket; socket.create_connection(('127.0.0.1', {srv.getsockname()[1]}), 2)",
                       "read": f"print(open({str(public / 'notes.txt')!r}).read())",
                       "write": f"open({str(public / 'w.txt')!r}, 'w')",
-                      "signal the caller": "import os; os.kill(os.getppid(), 0)"}
+                      "signal the caller": "import os; os.kill(os.getppid(), 0)",
+                      "netns": "import os; print(os.readlink('/proc/self/ns/net'))",
+                      "bomb": BOMB.format(marker=bomb), "escape": ESCAPE.format(marker=escape)}
             driver = f"""
-import asyncio, contextlib, itertools, json, math, os, signal, sys, tempfile
+import asyncio, contextlib, itertools, json, math, os, signal, sys, tempfile, threading, time
 from pathlib import Path
 {tools}
+for _ in range(20):
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
 print(open({str(public / 'notes.txt')!r}).read())  # nobody itself can read it: only the sandbox stops the tool
-print(json.dumps({{k: asyncio.run(run_tool(c)) for k, c in {probes!r}.items()}}))
+print(os.readlink('/proc/self/ns/net'))
+out = {{}}
+for k, c in {probes!r}.items():
+    try:
+        out[k] = asyncio.run(run_tool(c, timeout_s=2.0))
+    except RuntimeError as e:
+        out[k] = ["refused", str(e)]
+print(json.dumps(out))
 """
             res = subprocess.run([NOBODY_PYTHON, "-I", "-c", driver], user=65534, group=65534, extra_groups=[],
-                                 cwd="/", capture_output=True, text=True, timeout=60)
+                                 cwd="/", capture_output=True, text=True, timeout=120)
     finally:
         shutil.rmtree(public)
     assert res.returncode == 0, res.stderr
-    first, last = res.stdout.splitlines()[0], res.stdout.splitlines()[-1]
+    first, netns, last = res.stdout.splitlines()
     out = json.loads(last)
-    assert first == "public-but-not-for-tools" and out["print"] == [True, "42\n"]
+    assert first == "public-but-not-for-tools" and alive_with_comm(bomb) == alive_with_comm(escape) == []
+    if not (userns and abi >= 6):  # a wall is missing: every call refused, naming it and the opt-out
+        assert all(ok == "refused" and "sandbox_unsafe" in text for ok, text in out.values()), out
+        return
+    assert out["print"] == [True, "42\n"] and out["escape"] == [True, "forked\n"]
     assert not out["tcp"][0] and "PermissionError" in out["tcp"][1]
-    if LANDLOCK:
-        assert not out["read"][0] and "public-but" not in out["read"][1] and not out["write"][0], out
-    abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1)
-    if abi >= 6:  # Landlock's signal scope: the tool can't signal processes outside its domain, its caller included
-        assert not out["signal the caller"][0] and "PermissionError" in out["signal the caller"][1]
+    assert not out["read"][0] and "public-but" not in out["read"][1] and not out["write"][0], out
+    # Landlock's signal scope: the tool can't signal processes outside its domain, its caller included
+    assert not out["signal the caller"][0] and "PermissionError" in out["signal the caller"][1]
+    assert out["netns"][0] and out["netns"][1].strip() != netns  # a network namespace of its own, without root
+    assert "fork refused after" in out["bomb"][1] and 8 <= int(out["bomb"][1].split()[-1]) < 16  # the caller's
+    # threads do not count against the tool's process limit
 
 
 @pytest.mark.skipif(not LANDLOCK, reason="a read allowlist needs Landlock (Linux >= 5.13)")
