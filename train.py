@@ -178,11 +178,24 @@ def split_batch(msgs, advantages, world, budget):
 def make_shares(msgs, advantages, world, cfg):
     """Rank 0: the batch -> each rank's share: per update (mini-batch, in data order), its micro-batches and
     the mini-batch's token and episode counts (what the aggregation divides by)."""
-    n = -(-len(msgs) // cfg.mini_batches)
-    minis = [(msgs[i:i + n], advantages[i:i + n]) for i in range(0, n * cfg.mini_batches, n)]
+    k = min(cfg.mini_batches, len(msgs))  # sizes differ by at most one, none empty (ceiling division left some so)
+    cuts = [i * len(msgs) // k for i in range(k + 1)]
+    minis = [(msgs[a:b], advantages[a:b]) for a, b in zip(cuts, cuts[1:])]
     counts = [(float(sum(m["loss_mask"].sum() for m in ms)), float(len(ms))) for ms, _ in minis]
     per_rank = [split_batch(ms, adv, world, cfg.micro_batch_tokens) for ms, adv in minis]
     return [{"mini_batches": [p[r] for p in per_rank], "counts": counts} for r in range(world)]
+
+
+def advantages(cfg, msgs):
+    """-> (len(msgs),) one per message. A chat episode re-rendered into segments is several messages with one index:
+    it counts once in its group's baseline, and each segment gets its episode's advantage (opd: GRPO's, weighted)."""
+    index = torch.tensor([m["index"] for m in msgs])
+    episodes, of = torch.unique(index, return_inverse=True)  # of: (len(msgs),) each message's episode in 0..E-1
+    first = torch.zeros(len(episodes), dtype=torch.long).scatter_(0, of, torch.arange(len(msgs)))  # a message each
+    rewards, groups = (torch.tensor([m[k] for m in msgs])[first] for k in ("reward", "group"))  # (E,) each
+    opd = cfg.advantage == "opd"
+    adv = est.ADVANTAGES["grpo" if opd else cfg.advantage](rewards=rewards, group_ids=groups)
+    return (adv * cfg.opd_reward_coef if opd else adv)[of]
 
 # ---- one optimizer step: recompute -> loss -> metrics ----
 
@@ -260,9 +273,13 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
     several = cfg.ppo_epochs * len(batches) > 1
     with torch.no_grad():  # ---- recompute: what the batch is scored against, before any update ----
         for b, _ in (x for mini in batches for x in mini):
+            # The teacher and the reference route by themselves. The recorded experts are the sampling policy's
+            # choice: a teacher of another shape cannot take them, and in one of the same shape they are not its own
+            # (up to 5 nats off). The KL regularises toward the initial *policy*, its router included; replaying the
+            # experts the trained router picks would make the reference drift with the policy.
             for key, frozen in (("ref_logp", ref), ("teacher_logp", teacher)):
                 if frozen is not None:
-                    b[key] = token_logp(frozen, b, cfg, filtered=False)[1]
+                    b[key] = token_logp(frozen, b | {"routing": None}, cfg, filtered=False)[1]
             if several:  # pi_old for every mini-batch now; a single update takes it from its own forward
                 b["old_logp"] = token_logp(model, b, cfg)[1]
     losses, checks, stale_max, norms = 0, 0, 0, []
@@ -278,7 +295,9 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
                     checks, stale_max = checks + c, max(stale_max, s)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-            if math.isfinite(norms[-1]):  # every rank sees the same reduced norm, so all skip together
+            # every rank sees the same reduced norm and counts, so all skip together; an update with no sampled
+            # token skips too: AdamW would move the weights on its momentum at gradient 0
+            if math.isfinite(norms[-1]) and counts[0]:
                 opt.step()
     return torch.cat([losses.double(), checks]), stale_max, norms
 
@@ -489,10 +508,7 @@ def main(argv=None):
                     stop = f"error: {e}"
             # ---- 2. advantages (opd: GRPO's of the task reward, weighted; the teacher's come per token) ----
             if rank == 0 and stop is None:
-                opd = cfg.advantage == "opd"
-                rewards, groups = torch.tensor([m["reward"] for m in msgs]), torch.tensor([m["group"] for m in msgs])
-                adv = est.ADVANTAGES["grpo" if opd else cfg.advantage](rewards=rewards, group_ids=groups)
-                shares = make_shares(msgs, (adv * cfg.opd_reward_coef if opd else adv).tolist(), world, cfg)
+                shares = make_shares(msgs, advantages(cfg, msgs).tolist(), world, cfg)
             # rank 0 sends every rank its share and one decision to stop (a signal may reach them at different times)
             out = [(stop, shares[rank])]
             if world > 1:

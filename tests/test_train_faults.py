@@ -1,0 +1,88 @@
+"""The trainer's defects of issue 28 (items 6, 7, 8, 11, 12, 13, 18): each test failed before its fix."""
+import pytest
+import torch
+
+import config
+import estimators
+import train
+from model_moe import ModelConfig, Transformer
+from test_real_use import tiny_setup
+
+
+# ---- 6. mini-batches: split evenly, never an empty update ----
+
+def test_mini_batches_are_split_evenly_and_never_empty():
+    cfg = config.load(["--mini_batches=4", "--prompts_per_step=3", "--group_size=3"])
+    msgs = [{"ids": torch.zeros(5), "loss_mask": torch.ones(5), "index": i} for i in range(9)]
+    counts = train.make_shares(msgs, [0.0] * 9, 1, cfg)[0]["counts"]
+    assert sorted(n for _, n in counts) == [2, 2, 2, 3]  # ceiling division gave 3, 3, 3, 0
+    counts = train.make_shares(msgs[:3], [0.0] * 3, 1, cfg)[0]["counts"]
+    assert [n for _, n in counts] == [1, 1, 1]  # fewer episodes than mini_batches: fewer updates
+
+
+def test_an_update_without_sampled_tokens_does_not_step():
+    """AdamW moves weights on its momentum even at gradient 0: an update with nothing to train must not step."""
+    def weights_after(keep):
+        model, msgs = tiny_setup()
+        msgs = [dict(m) for m in msgs[:2]]
+        msgs[1]["loss_mask"] = torch.zeros_like(msgs[1]["loss_mask"])  # nothing sampled in the second update
+        msgs[1]["engine_ids"] = msgs[1]["ids"][:0]
+        cfg = config.load(["--max_staleness=0", "--lr=0.01", f"--mini_batches={len(msgs[:keep])}"])
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        share = train.make_shares(msgs[:keep], [1.0] * keep, 1, cfg)[0]
+        norms = train.train_step(model, opt, share, cfg, 0, 1)[2]
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), norms
+    one, _ = weights_after(1)
+    two, norms = weights_after(2)
+    assert len(norms) == 2 and norms[1] == 0
+    assert torch.equal(one, two)
+
+
+# ---- 7. the OPD teacher and the KL reference route by themselves ----
+
+def own_logp(model, msgs, cfg):
+    """Each sampled token's logprob under the model's own routing (temperature only), summed over the batch's mask."""
+    b = train.collate(msgs, "cpu")
+    return train.token_logp(model, b | {"routing": None}, cfg, filtered=False)[1], b["loss_mask"][:, 1:]
+
+
+def test_a_teacher_of_another_depth_and_a_kl_reference_route_by_themselves():
+    model, msgs = tiny_setup()
+    c = model.config
+    deeper = Transformer(ModelConfig(**{**c.__dict__, "num_hidden_layers": 3})).init_weights(5, std=0.2)
+    other = Transformer(c).init_weights(6, std=0.2)  # same shape: the student's routing would fit it
+    for frozen, args in ((deeper, ["--advantage=opd", "--teacher=t"]), (other, ["--advantage=opd", "--teacher=t"]),
+                         (other, ["--kl_coef=0.1", "--kl_estimator=k1"])):
+        model, msgs = tiny_setup()
+        cfg = config.load(["--max_staleness=0", "--micro_batch_tokens=100000", *args])
+        with torch.no_grad():
+            old = train.token_logp(model, train.collate(msgs, "cpu"), cfg)[1]  # the student replays its routing
+            theirs, mask = own_logp(frozen, msgs, cfg)
+            replayed = train.token_logp(frozen, train.collate(msgs, "cpu"), cfg, filtered=False)[1] \
+                if frozen is other else None
+        share = train.make_shares(msgs, [0.0] * len(msgs), 1, cfg)[0]
+        opd = cfg.advantage == "opd"
+        vec = train.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), share, cfg, 0, 1,
+                               ref=None if opd else frozen, teacher=frozen if opd else None)[0]
+        sums = train.reduce_metrics(vec, 0, 1)[0]
+        got = sums["distill_gap"] if opd else -sums["kl"]  # k1 = logp - ref_logp: -kl sums ref - old
+        want = ((old - theirs) * mask).sum().item() if opd else ((theirs - old) * mask).sum().item()
+        assert abs(got - want) < 1e-3, (args, got, want)
+        if replayed is not None:  # the test can tell: replaying the student's experts changes the frozen model's logp
+            assert ((replayed - theirs).abs() * mask).max() > 1e-2
+
+
+# ---- 8. a chat episode's segments count once in its group's baseline ----
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_an_episode_in_three_segments_weighs_once_in_its_group(name):
+    # a group of 4 episodes, rewards 1, 1, 0, 0; episode 0 re-rendered into 3 segments (messages with its index)
+    episodes = [(0, 1.0), (0, 1.0), (0, 1.0), (1, 1.0), (2, 0.0), (3, 0.0)]
+    msgs = [{"index": i, "reward": r, "group": 0} for i, r in episodes]
+    cfg = config.load([f"--advantage={name}"])
+    adv = train.advantages(cfg, msgs).tolist()
+    alone = estimators.ADVANTAGES[name](rewards=torch.tensor([1.0, 1.0, 0.0, 0.0]), group_ids=torch.zeros(4))
+    expected = [alone[i].item() for i, _ in episodes]  # each segment gets its episode's advantage
+    assert adv == pytest.approx(expected, abs=1e-6)
+    if name == "grpo":
+        assert adv[0] == pytest.approx(0.866, abs=1e-3)  # counting segments as episodes gave 0.65 / -1.29
