@@ -352,9 +352,11 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
             torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state}, os.path.join(tmp, "trainer.pt"))
         except OSError as e:
             raise RuntimeError(f"checkpoint write failed at step {state['step']} ({e}); {final} is as it was") from e
-        old = final + ".old"  # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete
-        shutil.rmtree(old, ignore_errors=True)
+        # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete. ckpt.old goes only once
+        # ckpt is there to replace it (after a resume from ckpt.old, ckpt.old is the only checkpoint)
+        old = final + ".old"
         if os.path.isdir(final):
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
@@ -376,7 +378,7 @@ def load_trainer_state(saved, model, opt, fsdp):
     return state | {"counters": counters | state.get("counters", {})}
 
 
-RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights")
+RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights", "rollouts")
 
 
 def check_out_dir(cfg):
@@ -465,6 +467,8 @@ def main(argv=None):
         if fsdp:
             dist.barrier()
     ckpt = latest_checkpoint(cfg) if cfg.resume else None
+    if cfg.resume and not ckpt:  # never a restart at step 0 that truncates the metrics of the run asked for
+        raise ValueError(f"--resume: no checkpoint in {cfg.out_dir} (ckpt/ or ckpt.old/ with trainer.pt)")
     if ckpt:
         same_architecture(ckpt, init)
     tokenizer_dir = ckpt or init  # the weights' own tokenizer

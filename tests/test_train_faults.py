@@ -1,4 +1,8 @@
 """The trainer's defects of issue 28 (items 6, 7, 8, 11, 12, 13, 18): each test failed before its fix."""
+import os
+import shutil
+import types
+
 import pytest
 import torch
 
@@ -7,6 +11,7 @@ import estimators
 import train
 from model_moe import ModelConfig, Transformer
 from test_real_use import tiny_setup
+from test_train import run_train
 
 
 # ---- 6. mini-batches: split evenly, never an empty update ----
@@ -86,3 +91,67 @@ def test_an_episode_in_three_segments_weighs_once_in_its_group(name):
     assert adv == pytest.approx(expected, abs=1e-6)
     if name == "grpo":
         assert adv[0] == pytest.approx(0.866, abs=1e-3)  # counting segments as episodes gave 0.65 / -1.29
+
+
+# ---- 11. --overwrite removes the rollout dumps too ----
+
+def test_overwrite_removes_an_earlier_runs_rollout_dumps(tmp_path):
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "step_9.pt").write_text("an earlier run's batch")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    train.check_out_dir(config.load([f"--out_dir={tmp_path}", "--overwrite"]))
+    assert sorted(os.listdir(tmp_path)) == []  # a later --replay of rollouts/ would have mixed in step_9.pt
+
+
+# ---- 12. a complete checkpoint is findable at every instant of a save; --resume without one is an error ----
+
+class Killed(BaseException):
+    """A kill -9 between two filesystem operations (BaseException: no `except OSError` in the save catches it)."""
+
+
+@pytest.mark.parametrize("layout", ["ckpt", "ckpt.old"])  # ckpt.old alone: a run resumed after a kill mid-swap
+def test_a_kill_at_any_operation_of_a_save_leaves_a_complete_checkpoint(tmp_path, tok, monkeypatch, layout):
+    model, _ = tiny_setup()
+    opt = torch.optim.AdamW(model.parameters())
+    out, cfg = tmp_path / "out", types.SimpleNamespace(out_dir=str(tmp_path / "out"))
+    train.save_checkpoint(cfg, model, opt, {"step": 1}, tok.name_or_path, 0, False)
+    os.replace(out / "ckpt", out / layout)
+    shutil.copytree(out, tmp_path / "before")
+    real = {"replace": os.replace, "rmtree": shutil.rmtree}
+    for n in range(100):  # kill at the n-th rename or removal; a removal killed midway has deleted the weights
+        shutil.rmtree(out)
+        shutil.copytree(tmp_path / "before", out)
+        calls = []
+
+        def op(name):
+            def run(path, *args, **kw):
+                calls.append(name)
+                if len(calls) > n:
+                    if name == "rmtree" and os.path.isfile(os.path.join(path, "model.safetensors")):
+                        os.remove(os.path.join(path, "model.safetensors"))
+                    raise Killed
+                return real[name](path, *args, **kw)
+            return run
+        monkeypatch.setattr(os, "replace", op("replace"))
+        monkeypatch.setattr(shutil, "rmtree", op("rmtree"))
+        try:
+            train.save_checkpoint(cfg, model, opt, {"step": 2}, tok.name_or_path, 0, False)
+            killed = False
+        except Killed:
+            killed = True
+        monkeypatch.undo()
+        found = train.latest_checkpoint(cfg)
+        assert found is not None, (n, calls, os.listdir(out))
+        state = torch.load(os.path.join(found, "trainer.pt"), weights_only=False)
+        Transformer.from_pretrained(found)  # complete: the weights load
+        assert state["step"] in (1, 2)
+        if not killed:  # n passed the save's last operation
+            assert state["step"] == 2 and n > 2
+            break
+
+
+def test_resume_without_a_checkpoint_is_an_error_that_keeps_the_metrics(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    r = run_train(tmp_path, "--max_steps=1", "--resume", timeout=120)
+    assert r.returncode != 0 and "no checkpoint" in r.stderr, r.stderr[-2000:]
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
