@@ -23,6 +23,7 @@ class Config:
     # ---- model ----
     model: str = "tiny"  # HF dir (Qwen3, Qwen3-MoE, Llama, Qwen2), a .gguf file, or "tiny": a small MoE from scratch
     dtype: str = "float32"  # compute dtype (trainer and engine): float32 or bfloat16; master weights stay float32
+    reshard_after_forward: str = "auto"  # FSDP2: free gathered weights after forward (true, false; auto: on GPUs)
     tiny_layers: int = 4  # tiny model: decoder layers
     tiny_hidden: int = 128  # tiny model: width
     tiny_experts: int = 8  # tiny model: experts per MoE layer (0 = dense)
@@ -95,6 +96,8 @@ class Config:
             ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
             ("weight_sync", self.weight_sync in ("gloo", "nccl", "disk"), "must be gloo, nccl or disk"),
             ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
+            ("reshard_after_forward", self.reshard_after_forward in ("auto", "true", "false"),
+             "must be auto, true or false"),
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),
             ("max_staleness", self.max_staleness >= 0, "must be >= 0"),

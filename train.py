@@ -108,6 +108,17 @@ def tiny_init(cfg, rank, fsdp):
     return path
 
 
+def shard(model, cfg, device):
+    """FSDP2: one unit per block; the root holds embeddings, final norm and lm_head. reshard_after_forward auto: on
+    GPUs (memory); on CPU (gloo) gathered weights stay from forward to backward, one all-gather fewer per block."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
+              reshard_after_forward={"auto": device.type == "cuda", "true": True}.get(cfg.reshard_after_forward, False))
+    for block in model.model.layers:
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)
+
+
 def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
     """The policy (frozen: a reference or teacher) from a HF directory. FSDP: built on the meta device, sharded; rank 0
     reads the file, the others receive their shards (no rank holds a second full copy). float32 master weights; `dtype`
@@ -115,16 +126,9 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
     targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen else []  # none: add_lora changes nothing
     adapt = lambda m: add_lora(m, cfg.lora_rank, cfg.lora_alpha / max(cfg.lora_rank, 1), targets)
     if fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         with torch.device("meta"):
             model = adapt(Transformer(ModelConfig.load(path)))
-        # CPU (gloo): keep gathered weights from forward to backward: one all-gather fewer per block
-        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
-                  reshard_after_forward=device.type == "cuda")
-        for block in model.model.layers:  # one unit per block; the root holds embeddings, final norm and lm_head
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
-        model.to_empty(device=device)
+        shard(model, cfg, device).to_empty(device=device)
         full = adapt(Transformer.from_pretrained(path)).state_dict() | (adapters or {}) if rank == 0 else {}
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:
