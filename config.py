@@ -62,6 +62,7 @@ class Config:
     teacher: str = ""  # opd (on-policy distillation): the frozen teacher's HF directory (the student's tokenizer)
     opd_reward_coef: float = 0.0  # opd: weight of the task reward's GRPO advantage beside the teacher's
     filter_groups: bool = False  # drop groups whose rewards are all equal and take others (DAPO dynamic sampling)
+    max_filtered_groups: int = 1000  # filter_groups: stop the run after this many groups in a row filtered out
     policy_loss: str = "ppo"  # ppo | gspo | cispo
     clip_low: float = 0.2  # ratio clip below 1
     clip_high: float = 0.28  # ratio clip above 1 (clip-higher)
@@ -103,7 +104,8 @@ class Config:
             ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
             ("lora_rank", self.lora_rank >= 0, "must be >= 0"),
             *((key, getattr(self, key) >= 1, "must be >= 1") for key in
-              ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns")),
+              ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns",
+               "max_filtered_groups")),
             ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..{self.batch_size}"),
             ("teacher", (self.advantage == "opd") == bool(self.teacher), "is given exactly when advantage=opd"),
             ("replay", not (self.replay and self.rollout_dump), "and rollout_dump do not go together"),

@@ -379,7 +379,7 @@ def load_trainer_state(saved, model, opt, fsdp):
         else:
             opt.load_state_dict(state.pop("optimizer"))
         torch.set_rng_state(state.pop("rng"))
-    return state | {"counters": counters | state.get("counters", {})}
+    return state | {"counters": counters | state.get("counters", {}) | (state.get("resume") or {}).get("counters", {})}
 
 
 RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights", "rollouts")
@@ -431,12 +431,12 @@ def take_batch(cfg, ro, version, counters):
         if not os.path.isfile(path):
             raise RuntimeError(f"replay: {path} is missing ({cfg.replay} holds {len(os.listdir(cfg.replay))} steps)")
         return torch.load(path, weights_only=False), 0.0
-    t0, msgs, n_groups = time.perf_counter(), [], 0
+    t0, msgs, n_groups, filtered = time.perf_counter(), [], 0, 0
     while n_groups < cfg.prompts_per_step:
-        group = ro.get()
-        if group is None:  # nothing for a second: a signal ends the wait
-            if STOP["signal"]:
-                return None, time.perf_counter() - t0
+        if STOP["signal"]:  # before every group: with filter_groups on a solved task groups come, each filtered
+            return None, time.perf_counter() - t0
+        group = ro.get(stop=lambda: STOP["signal"])  # None: nothing for a second, or a signal ended a settle
+        if group is None:
             continue
         fresh = [m for m in group if version - m["versions"][m["loss_mask"] == 1].min().item() <= cfg.max_staleness]
         counters["dropped_stale"] += len(group) - len(fresh)
@@ -444,8 +444,12 @@ def take_batch(cfg, ro, version, counters):
         counters["filtered_groups"] += bool(fresh and same)
         if not fresh or same:  # nothing (informative) left of the group: let the rollout start another
             ro.drop(1)
+            filtered += same
+            if filtered >= cfg.max_filtered_groups:
+                raise RuntimeError(f"{filtered} groups in a row were filtered out (filter_groups: each had equal "
+                                   f"rewards; max_filtered_groups): the task is solved, or never")
             continue
-        msgs, n_groups = msgs + fresh, n_groups + 1
+        msgs, n_groups, filtered = msgs + fresh, n_groups + 1, 0
     msgs, wait = sorted(msgs, key=lambda m: m["index"]), time.perf_counter() - t0
     if cfg.rollout_dump:  # every trained batch, all its tensors: what replay=<out_dir>/rollouts trains on
         os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
@@ -541,8 +545,11 @@ def main(argv=None):
             step += 1
             # ---- 5. publish weights as version `step`; log; checkpoint ----
             if ro is not None and cfg.deterministic:  # publish once all the last version admitted has ended; a
-                # checkpoint from here to the next publish resumes from the rollout's state and the groups held now
-                state["resume"] = {"rollout": ro.settle(), "held": list(ro.held), "dropped": ro.dropped.value}
+                # checkpoint from here to the next publish resumes from the rollout's state, the groups held now and
+                # the counters now (the next step's drops are counted again when it is regenerated)
+                settled = ro.settle(lambda: STOP["signal"])  # None: a signal came first; the resume is not exact
+                state["resume"] = settled and {"rollout": settled, "held": list(ro.held), "dropped": ro.dropped.value,
+                                               "counters": dict(counters)}
             t_sync = time.perf_counter()
             weights = full_state(model, fsdp, changed)
             if ro is not None:

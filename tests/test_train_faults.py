@@ -1,6 +1,10 @@
 """The trainer's defects of issue 28 (items 6, 7, 8, 11, 12, 13, 18): each test failed before its fix."""
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import types
 
 import pytest
@@ -11,7 +15,7 @@ import estimators
 import train
 from model_moe import ModelConfig, Transformer
 from test_real_use import tiny_setup
-from test_train import run_train
+from test_train import ENV, ROOT, metrics, run_train
 
 
 # ---- 6. mini-batches: split evenly, never an empty update ----
@@ -155,3 +159,83 @@ def test_resume_without_a_checkpoint_is_an_error_that_keeps_the_metrics(tmp_path
     r = run_train(tmp_path, "--max_steps=1", "--resume", timeout=120)
     assert r.returncode != 0 and "no checkpoint" in r.stderr, r.stderr[-2000:]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+# ---- 13. SIGTERM is honoured in every wait; groups filtered without end are an error ----
+
+SOLVED_AGENT = """
+from agent import guess
+async def run(task, llm):
+    ep = await guess(task, llm)
+    ep.reward = 1.0  # every group all-equal: filter_groups drops each one
+    return ep
+"""
+
+SLOW_AGENT = """
+import asyncio
+from agent import guess
+async def run(task, llm):
+    await asyncio.sleep(1000)
+"""
+
+
+def start(tmp_path, agent, *args):
+    (tmp_path / "agent.py").write_text(agent)
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           f"--out_dir={tmp_path / 'run'}", f"--task={tmp_path / 'agent.py'}", *args]
+    return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# many small groups in flight: the next filtered one always comes within a second
+@pytest.mark.parametrize("agent,args", [
+    (SOLVED_AGENT, ["--filter_groups", "--max_filtered_groups=100000000", "--group_size=2", "--max_staleness=3"]),
+    (SLOW_AGENT, ["--deterministic", "--episode_timeout=1000", "--prompts_per_step=2"])], ids=["filter", "settle"])
+def test_sigterm_ends_a_wait_on_groups_all_filtered_or_a_deterministic_settle(tmp_path, agent, args):
+    p = start(tmp_path, agent, *args)
+    try:
+        time.sleep(15)  # started, filtering group after group (or settling on episodes that take 1000 s)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()  # (the rollout process dies with it)
+    assert p.returncode == 0 and "SIGTERM: checkpoint of step 0" in out, err[-2000:]
+
+
+def test_groups_filtered_for_long_end_the_run_with_a_clear_error(tmp_path):
+    p = start(tmp_path, SOLVED_AGENT, "--filter_groups", "--max_filtered_groups=5", "--prompts_per_step=2")
+    try:
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode != 0 and "5 groups in a row were filtered out" in err, err[-2000:]
+
+
+# ---- 11. a SIGTERM mid-step: the checkpoint's counters are those of the state it resumes from ----
+
+KILL_AGENT = """
+import asyncio, os, signal
+from agent import guess
+async def run(task, llm):
+    ep = await guess(task, llm)
+    group = task["index"] // 2
+    ep.reward = 0.0 if group in (4, 5) else float(task["index"] % 2)  # step 3 drops groups 4, 5, then trains 6, 7
+    if task["index"] == 12 and not os.path.exists({marker!r}):  # SIGTERM while step 3 waits for group 6
+        open({marker!r}, "w").close()
+        await asyncio.sleep(0.5)
+        os.kill(os.getppid(), signal.SIGTERM)  # the rollout process's parent: the trainer
+        await asyncio.sleep(2)
+    return ep
+"""
+
+
+def test_a_sigterm_after_filtered_groups_does_not_count_them_twice_on_resume(tmp_path):
+    (tmp_path / "agent.py").write_text(KILL_AGENT.format(marker=str(tmp_path / "killed")))
+    args = [f"--task={tmp_path / 'agent.py'}", "--group_size=2", "--prompts_per_step=2", "--max_staleness=0",
+            "--deterministic", "--filter_groups", "--max_steps=4"]
+    first = run_train(tmp_path / "run", *args, timeout=300)
+    assert first.returncode == 0 and "SIGTERM: checkpoint of step 2" in first.stdout, first.stderr[-3000:]
+    second = run_train(tmp_path / "run", *args, "--resume", timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    ms = metrics(tmp_path / "run")
+    assert [m["step"] for m in ms] == [1, 2, 3, 4]
+    assert [m["rollout/filtered_groups"] for m in ms] == [0, 0, 2, 2]  # groups 4 and 5, once each
