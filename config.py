@@ -88,6 +88,7 @@ class Config:
     max_staleness: int = 1  # max policy versions between sampling a token and training on it; 0 = on-policy
     queue_size: int = 32  # finished groups buffered between rollout and trainer (back-pressure beyond)
     deterministic: bool = False  # async, reproducibly: weights change between batches only; resume is exact
+    stop_grace: float = 10.0  # deterministic: seconds after SIGTERM to let episodes end (then the resume is inexact)
     max_bad_steps: int = 3  # stop after this many steps in a row with a non-finite gradient norm (each skipped)
 
     def __post_init__(self):
@@ -97,15 +98,12 @@ class Config:
             ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
             ("weight_sync", self.weight_sync in ("gloo", "nccl", "disk"), "must be gloo, nccl or disk"),
             ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
-            ("reshard_after_forward", self.reshard_after_forward in ("auto", "true", "false"),
-             "must be auto, true or false"),
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),
             ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
             ("lora_rank", self.lora_rank >= 0, "must be >= 0"),
             *((key, getattr(self, key) >= 1, "must be >= 1") for key in
-              ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns",
-               "max_filtered_groups")),
+              ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns")),
             ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..{self.batch_size}"),
             ("teacher", (self.advantage == "opd") == bool(self.teacher), "is given exactly when advantage=opd"),
             ("replay", not (self.replay and self.rollout_dump), "and rollout_dump do not go together"),
@@ -122,8 +120,9 @@ class Config:
         ]
         import estimators  # the variant names live beside the functions
         for key, table in (("advantage", estimators.ADVANTAGES | {"opd": None}), ("kl_estimator", estimators.KL),
-                           ("policy_loss", estimators.POLICY_LOSSES), ("correction", estimators.CORRECTIONS),
-                           ("aggregation", estimators.AGGREGATIONS)):
+                           ("policy_loss", estimators.POLICY_LOSSES), ("aggregation", estimators.AGGREGATIONS),
+                           ("correction", estimators.CORRECTIONS),
+                           ("reshard_after_forward", ("auto", "true", "false"))):
             checks.append((key, getattr(self, key) in table, f"must be one of {', '.join(table)}"))
         for key, ok, why in checks:
             if not ok:

@@ -545,15 +545,15 @@ class Rollout:
     def get(self, timeout=1.0, stop=lambda: None):
         """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
         rollout process or a server it uses died. deterministic: the settled groups, in data order (None: stop())."""
-        if self.deterministic and not self.held and self.settle(stop) is None:
-            return None
+        if self.deterministic and not self.held:
+            self.settle(stop)  # nothing held after a stop: None
         item = self.held.popleft() if self.held else None if self.deterministic else self._next(timeout)
         return None if item is None else unpack(item)
 
     def settle(self, stop=lambda: None):
         """deterministic: wait for the rollout to report that all the published version admitted has ended, every
-        drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`), or
-        None once stop() is true (a signal: episodes may take up to episode_timeout, the grace period less)."""
+        drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`); None
+        once stop() is true (a signal: episodes may run up to episode_timeout, longer than a preemption's grace)."""
         while self.idle is None or self.idle["idle"] != (self.version.value, self.dropped.value):
             if stop():
                 return None

@@ -182,9 +182,8 @@ def split_batch(msgs, advantages, world, budget):
 def make_shares(msgs, advantages, world, cfg):
     """Rank 0: the batch -> each rank's share: per update (mini-batch, in data order), its micro-batches and
     the mini-batch's token and episode counts (what the aggregation divides by)."""
-    k = min(cfg.mini_batches, len(msgs))  # sizes differ by at most one, none empty (ceiling division left some so)
-    cuts = [i * len(msgs) // k for i in range(k + 1)]
-    minis = [(msgs[a:b], advantages[a:b]) for a, b in zip(cuts, cuts[1:])]
+    parts = torch.arange(len(msgs)).tensor_split(min(cfg.mini_batches, len(msgs)))  # none empty, sizes within one
+    minis = [([msgs[i] for i in p.tolist()], [advantages[i] for i in p.tolist()]) for p in parts]
     counts = [(float(sum(m["loss_mask"].sum() for m in ms)), float(len(ms))) for ms, _ in minis]
     per_rank = [split_batch(ms, adv, world, cfg.micro_batch_tokens) for ms, adv in minis]
     return [{"mini_batches": [p[r] for p in per_rank], "counts": counts} for r in range(world)]
@@ -193,13 +192,11 @@ def make_shares(msgs, advantages, world, cfg):
 def advantages(cfg, msgs):
     """-> (len(msgs),) one per message. A chat episode re-rendered into segments is several messages with one index:
     it counts once in its group's baseline, and each segment gets its episode's advantage (opd: GRPO's, weighted)."""
-    index = torch.tensor([m["index"] for m in msgs])
-    episodes, of = torch.unique(index, return_inverse=True)  # of: (len(msgs),) each message's episode in 0..E-1
+    episodes, of = torch.unique(torch.tensor([m["index"] for m in msgs]), return_inverse=True)  # of: (len(msgs),)
     first = torch.zeros(len(episodes), dtype=torch.long).scatter_(0, of, torch.arange(len(msgs)))  # a message each
     rewards, groups = (torch.tensor([m[k] for m in msgs])[first] for k in ("reward", "group"))  # (E,) each
-    opd = cfg.advantage == "opd"
-    adv = est.ADVANTAGES["grpo" if opd else cfg.advantage](rewards=rewards, group_ids=groups)
-    return (adv * cfg.opd_reward_coef if opd else adv)[of]
+    name, coef = ("grpo", cfg.opd_reward_coef) if cfg.advantage == "opd" else (cfg.advantage, 1.0)
+    return (est.ADVANTAGES[name](rewards=rewards, group_ids=groups) * coef)[of]
 
 # ---- one optimizer step: recompute -> loss -> metrics ----
 
@@ -277,10 +274,8 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
     several = cfg.ppo_epochs * len(batches) > 1
     with torch.no_grad():  # ---- recompute: what the batch is scored against, before any update ----
         for b, _ in (x for mini in batches for x in mini):
-            # The teacher and the reference route by themselves. The recorded experts are the sampling policy's
-            # choice: a teacher of another shape cannot take them, and in one of the same shape they are not its own
-            # (up to 5 nats off). The KL regularises toward the initial *policy*, its router included; replaying the
-            # experts the trained router picks would make the reference drift with the policy.
+            # Teacher and reference route by themselves: a teacher of another shape cannot take the sampler's experts,
+            # one of the same shape would not pick them (5 nats off); the KL's anchor is the initial router's choice.
             for key, frozen in (("ref_logp", ref), ("teacher_logp", teacher)):
                 if frozen is not None:
                     b[key] = token_logp(frozen, b | {"routing": None}, cfg, filtered=False)[1]
@@ -299,8 +294,7 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
                     checks, stale_max = checks + c, max(stale_max, s)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-            # every rank sees the same reduced norm and counts, so all skip together; an update with no sampled
-            # token skips too: AdamW would move the weights on its momentum at gradient 0
+            # the same norm and counts on every rank: all skip together (no sampled token: AdamW would use momentum)
             if math.isfinite(norms[-1]) and counts[0]:
                 opt.step()
     return torch.cat([losses.double(), checks]), stale_max, norms
@@ -356,10 +350,8 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
             torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state}, os.path.join(tmp, "trainer.pt"))
         except OSError as e:
             raise RuntimeError(f"checkpoint write failed at step {state['step']} ({e}); {final} is as it was") from e
-        # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete. ckpt.old goes only once
-        # ckpt is there to replace it (after a resume from ckpt.old, ckpt.old is the only checkpoint)
-        old = final + ".old"
-        if os.path.isdir(final):
+        old = final + ".old"  # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete
+        if os.path.isdir(final):  # ckpt.old goes only for a ckpt (resumed from ckpt.old, it is the only checkpoint)
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
@@ -420,7 +412,7 @@ def dump_episodes(cfg, step, msgs, tokenizer, n=4):
 # ---- the loop ----
 
 
-STOP = {"signal": None}  # set by SIGTERM / Ctrl-C; the loop checkpoints and exits at the next step
+STOP = {"signal": None, "at": 0.0}  # set by SIGTERM / Ctrl-C; the loop checkpoints and exits at the next step
 
 
 def take_batch(cfg, ro, version, counters):
@@ -446,8 +438,7 @@ def take_batch(cfg, ro, version, counters):
             ro.drop(1)
             filtered += same
             if filtered >= cfg.max_filtered_groups:
-                raise RuntimeError(f"{filtered} groups in a row were filtered out (filter_groups: each had equal "
-                                   f"rewards; max_filtered_groups): the task is solved, or never")
+                raise RuntimeError(f"{filtered} groups in a row filtered out: all rewards equal (max_filtered_groups)")
             continue
         msgs, n_groups, filtered = msgs + fresh, n_groups + 1, 0
     msgs, wait = sorted(msgs, key=lambda m: m["index"]), time.perf_counter() - t0
@@ -460,7 +451,7 @@ def take_batch(cfg, ro, version, counters):
 def main(argv=None):
     cfg = config.load(argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name))
+        signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name, at=time.monotonic()))
     if cfg.task_file:
         agent.load_task_file(cfg.task_file)  # a malformed line stops the run here, naming file and line
     check_out_dir(cfg)  # on every rank, before anything is written
@@ -544,12 +535,12 @@ def main(argv=None):
             t_train, t_hand = time.perf_counter() - t_train, t_train - t_step - wait  # hand-out: advantages, shares
             step += 1
             # ---- 5. publish weights as version `step`; log; checkpoint ----
-            if ro is not None and cfg.deterministic:  # publish once all the last version admitted has ended; a
-                # checkpoint from here to the next publish resumes from the rollout's state, the groups held now and
-                # the counters now (the next step's drops are counted again when it is regenerated)
-                settled = ro.settle(lambda: STOP["signal"])  # None: a signal came first; the resume is not exact
+            if ro is not None and cfg.deterministic:  # publish once all the last version admitted has ended
+                settled = ro.settle(lambda: STOP["signal"] and time.monotonic() - STOP["at"] > cfg.stop_grace)
+                if settled is None:  # the checkpoint then resumes as a non-deterministic run does
+                    print(f"{STOP['signal']}: episodes still running after stop_grace: the resume will not be exact")
                 state["resume"] = settled and {"rollout": settled, "held": list(ro.held), "dropped": ro.dropped.value,
-                                               "counters": dict(counters)}
+                                               "counters": dict(counters)}  # live: a resume counts again
             t_sync = time.perf_counter()
             weights = full_state(model, fsdp, changed)
             if ro is not None:
