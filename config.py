@@ -23,6 +23,7 @@ class Config:
     # ---- model ----
     model: str = "tiny"  # HF dir (Qwen3, Qwen3-MoE, Llama, Qwen2), a .gguf file, or "tiny": a small MoE from scratch
     dtype: str = "float32"  # compute dtype (trainer and engine): float32 or bfloat16; master weights stay float32
+    reshard_after_forward: str = "auto"  # FSDP2: free gathered weights after forward (true, false; auto: on GPUs)
     tiny_layers: int = 4  # tiny model: decoder layers
     tiny_hidden: int = 128  # tiny model: width
     tiny_experts: int = 8  # tiny model: experts per MoE layer (0 = dense)
@@ -62,6 +63,7 @@ class Config:
     teacher: str = ""  # opd (on-policy distillation): the frozen teacher's HF directory (the student's tokenizer)
     opd_reward_coef: float = 0.0  # opd: weight of the task reward's GRPO advantage beside the teacher's
     filter_groups: bool = False  # drop groups whose rewards are all equal and take others (DAPO dynamic sampling)
+    max_filtered_groups: int = 1000  # filter_groups: stop the run after this many groups in a row filtered out
     policy_loss: str = "ppo"  # ppo | gspo | cispo
     clip_low: float = 0.2  # ratio clip below 1
     clip_high: float = 0.28  # ratio clip above 1 (clip-higher)
@@ -87,6 +89,7 @@ class Config:
     max_staleness: int = 1  # max policy versions between sampling a token and training on it; 0 = on-policy
     queue_size: int = 32  # finished groups buffered between rollout and trainer (back-pressure beyond)
     deterministic: bool = False  # async, reproducibly: weights change between batches only; resume is exact
+    stop_grace: float = 10.0  # deterministic: seconds after SIGTERM to let episodes end (then the resume is inexact)
     max_bad_steps: int = 3  # stop after this many steps in a row with a non-finite gradient norm (each skipped)
 
     def __post_init__(self):
@@ -118,8 +121,9 @@ class Config:
         ]
         import estimators  # the variant names live beside the functions
         for key, table in (("advantage", estimators.ADVANTAGES | {"opd": None}), ("kl_estimator", estimators.KL),
-                           ("policy_loss", estimators.POLICY_LOSSES), ("correction", estimators.CORRECTIONS),
-                           ("aggregation", estimators.AGGREGATIONS)):
+                           ("policy_loss", estimators.POLICY_LOSSES), ("aggregation", estimators.AGGREGATIONS),
+                           ("correction", estimators.CORRECTIONS),
+                           ("reshard_after_forward", ("auto", "true", "false"))):
             checks.append((key, getattr(self, key) in table, f"must be one of {', '.join(table)}"))
         for key, ok, why in checks:
             if not ok:

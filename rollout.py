@@ -542,18 +542,21 @@ class Rollout:
         self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
         self.held, self.idle, self.deterministic = deque(), None, deterministic  # held: settled groups, untrained
 
-    def get(self, timeout=1.0):
+    def get(self, timeout=1.0, stop=lambda: None):
         """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
-        rollout process or a server it uses died. deterministic: the settled groups, in data order."""
+        rollout process or a server it uses died. deterministic: the settled groups, in data order (None: stop())."""
         if self.deterministic and not self.held:
-            self.settle()
+            self.settle(stop)  # nothing held after a stop: None
         item = self.held.popleft() if self.held else None if self.deterministic else self._next(timeout)
         return None if item is None else unpack(item)
 
-    def settle(self):
+    def settle(self, stop=lambda: None):
         """deterministic: wait for the rollout to report that all the published version admitted has ended, every
-        drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`)."""
+        drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`); None
+        once stop() is true (a signal: episodes may run up to episode_timeout, longer than a preemption's grace)."""
         while self.idle is None or self.idle["idle"] != (self.version.value, self.dropped.value):
+            if stop():
+                return None
             if (item := self._next(1.0)) is not None:  # a group (packed: the checkpoint saves it so) or the report
                 self.held.extend([] if "idle" in item else [item])
                 self.idle = item if "idle" in item else self.idle

@@ -108,6 +108,17 @@ def tiny_init(cfg, rank, fsdp):
     return path
 
 
+def shard(model, cfg, device):
+    """FSDP2: one unit per block; the root holds embeddings, final norm and lm_head. reshard_after_forward auto: on
+    GPUs (memory); on CPU (gloo) gathered weights stay from forward to backward, one all-gather fewer per block."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
+              reshard_after_forward={"auto": device.type == "cuda", "true": True}.get(cfg.reshard_after_forward, False))
+    for block in model.model.layers:
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)
+
+
 def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
     """The policy (frozen: a reference or teacher) from a HF directory. FSDP: built on the meta device, sharded; rank 0
     reads the file, the others receive their shards (no rank holds a second full copy). float32 master weights; `dtype`
@@ -115,16 +126,9 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
     targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen else []  # none: add_lora changes nothing
     adapt = lambda m: add_lora(m, cfg.lora_rank, cfg.lora_alpha / max(cfg.lora_rank, 1), targets)
     if fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         with torch.device("meta"):
             model = adapt(Transformer(ModelConfig.load(path)))
-        # CPU (gloo): keep gathered weights from forward to backward: one all-gather fewer per block
-        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
-                  reshard_after_forward=device.type == "cuda")
-        for block in model.model.layers:  # one unit per block; the root holds embeddings, final norm and lm_head
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
-        model.to_empty(device=device)
+        shard(model, cfg, device).to_empty(device=device)
         full = adapt(Transformer.from_pretrained(path)).state_dict() | (adapters or {}) if rank == 0 else {}
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:
@@ -178,11 +182,21 @@ def split_batch(msgs, advantages, world, budget):
 def make_shares(msgs, advantages, world, cfg):
     """Rank 0: the batch -> each rank's share: per update (mini-batch, in data order), its micro-batches and
     the mini-batch's token and episode counts (what the aggregation divides by)."""
-    n = -(-len(msgs) // cfg.mini_batches)
-    minis = [(msgs[i:i + n], advantages[i:i + n]) for i in range(0, n * cfg.mini_batches, n)]
+    parts = torch.arange(len(msgs)).tensor_split(min(cfg.mini_batches, len(msgs)))  # none empty, sizes within one
+    minis = [([msgs[i] for i in p.tolist()], [advantages[i] for i in p.tolist()]) for p in parts]
     counts = [(float(sum(m["loss_mask"].sum() for m in ms)), float(len(ms))) for ms, _ in minis]
     per_rank = [split_batch(ms, adv, world, cfg.micro_batch_tokens) for ms, adv in minis]
     return [{"mini_batches": [p[r] for p in per_rank], "counts": counts} for r in range(world)]
+
+
+def advantages(cfg, msgs):
+    """-> (len(msgs),) one per message. A chat episode re-rendered into segments is several messages with one index:
+    it counts once in its group's baseline, and each segment gets its episode's advantage (opd: GRPO's, weighted)."""
+    episodes, of = torch.unique(torch.tensor([m["index"] for m in msgs]), return_inverse=True)  # of: (len(msgs),)
+    first = torch.zeros(len(episodes), dtype=torch.long).scatter_(0, of, torch.arange(len(msgs)))  # a message each
+    rewards, groups = (torch.tensor([m[k] for m in msgs])[first] for k in ("reward", "group"))  # (E,) each
+    name, coef = ("grpo", cfg.opd_reward_coef) if cfg.advantage == "opd" else (cfg.advantage, 1.0)
+    return (est.ADVANTAGES[name](rewards=rewards, group_ids=groups) * coef)[of]
 
 # ---- one optimizer step: recompute -> loss -> metrics ----
 
@@ -260,9 +274,11 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
     several = cfg.ppo_epochs * len(batches) > 1
     with torch.no_grad():  # ---- recompute: what the batch is scored against, before any update ----
         for b, _ in (x for mini in batches for x in mini):
+            # Teacher and reference route by themselves: a teacher of another shape cannot take the sampler's experts,
+            # one of the same shape would not pick them (5 nats off); the KL's anchor is the initial router's choice.
             for key, frozen in (("ref_logp", ref), ("teacher_logp", teacher)):
                 if frozen is not None:
-                    b[key] = token_logp(frozen, b, cfg, filtered=False)[1]
+                    b[key] = token_logp(frozen, b | {"routing": None}, cfg, filtered=False)[1]
             if several:  # pi_old for every mini-batch now; a single update takes it from its own forward
                 b["old_logp"] = token_logp(model, b, cfg)[1]
     losses, checks, stale_max, norms = 0, 0, 0, []
@@ -278,7 +294,8 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
                     checks, stale_max = checks + c, max(stale_max, s)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-            if math.isfinite(norms[-1]):  # every rank sees the same reduced norm, so all skip together
+            # the same norm and counts on every rank: all skip together (no sampled token: AdamW would use momentum)
+            if math.isfinite(norms[-1]) and counts[0]:
                 opt.step()
     return torch.cat([losses.double(), checks]), stale_max, norms
 
@@ -334,8 +351,8 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
         except OSError as e:
             raise RuntimeError(f"checkpoint write failed at step {state['step']} ({e}); {final} is as it was") from e
         old = final + ".old"  # swap in the new checkpoint: a crash at any point leaves ckpt or ckpt.old complete
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.isdir(final):
+        if os.path.isdir(final):  # ckpt.old goes only for a ckpt (resumed from ckpt.old, it is the only checkpoint)
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
@@ -354,10 +371,10 @@ def load_trainer_state(saved, model, opt, fsdp):
         else:
             opt.load_state_dict(state.pop("optimizer"))
         torch.set_rng_state(state.pop("rng"))
-    return state | {"counters": counters | state.get("counters", {})}
+    return state | {"counters": counters | state.get("counters", {}) | (state.get("resume") or {}).get("counters", {})}
 
 
-RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights")
+RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights", "rollouts")
 
 
 def check_out_dir(cfg):
@@ -395,7 +412,7 @@ def dump_episodes(cfg, step, msgs, tokenizer, n=4):
 # ---- the loop ----
 
 
-STOP = {"signal": None}  # set by SIGTERM / Ctrl-C; the loop checkpoints and exits at the next step
+STOP = {"signal": None, "at": 0.0}  # set by SIGTERM / Ctrl-C; the loop checkpoints and exits at the next step
 
 
 def take_batch(cfg, ro, version, counters):
@@ -406,12 +423,12 @@ def take_batch(cfg, ro, version, counters):
         if not os.path.isfile(path):
             raise RuntimeError(f"replay: {path} is missing ({cfg.replay} holds {len(os.listdir(cfg.replay))} steps)")
         return torch.load(path, weights_only=False), 0.0
-    t0, msgs, n_groups = time.perf_counter(), [], 0
+    t0, msgs, n_groups, filtered = time.perf_counter(), [], 0, 0
     while n_groups < cfg.prompts_per_step:
-        group = ro.get()
-        if group is None:  # nothing for a second: a signal ends the wait
-            if STOP["signal"]:
-                return None, time.perf_counter() - t0
+        if STOP["signal"]:  # before every group: with filter_groups on a solved task groups come, each filtered
+            return None, time.perf_counter() - t0
+        group = ro.get(stop=lambda: STOP["signal"])  # None: nothing for a second, or a signal ended a settle
+        if group is None:
             continue
         fresh = [m for m in group if version - m["versions"][m["loss_mask"] == 1].min().item() <= cfg.max_staleness]
         counters["dropped_stale"] += len(group) - len(fresh)
@@ -419,8 +436,11 @@ def take_batch(cfg, ro, version, counters):
         counters["filtered_groups"] += bool(fresh and same)
         if not fresh or same:  # nothing (informative) left of the group: let the rollout start another
             ro.drop(1)
+            filtered += same
+            if filtered >= cfg.max_filtered_groups:
+                raise RuntimeError(f"{filtered} groups in a row filtered out: all rewards equal (max_filtered_groups)")
             continue
-        msgs, n_groups = msgs + fresh, n_groups + 1
+        msgs, n_groups, filtered = msgs + fresh, n_groups + 1, 0
     msgs, wait = sorted(msgs, key=lambda m: m["index"]), time.perf_counter() - t0
     if cfg.rollout_dump:  # every trained batch, all its tensors: what replay=<out_dir>/rollouts trains on
         os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
@@ -431,7 +451,7 @@ def take_batch(cfg, ro, version, counters):
 def main(argv=None):
     cfg = config.load(argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name))
+        signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name, at=time.monotonic()))
     if cfg.task_file:
         agent.load_task_file(cfg.task_file)  # a malformed line stops the run here, naming file and line
     check_out_dir(cfg)  # on every rank, before anything is written
@@ -446,6 +466,8 @@ def main(argv=None):
         if fsdp:
             dist.barrier()
     ckpt = latest_checkpoint(cfg) if cfg.resume else None
+    if cfg.resume and not ckpt:  # never a restart at step 0 that truncates the metrics of the run asked for
+        raise ValueError(f"--resume: no checkpoint in {cfg.out_dir} (ckpt/ or ckpt.old/ with trainer.pt)")
     if ckpt:
         same_architecture(ckpt, init)
     tokenizer_dir = ckpt or init  # the weights' own tokenizer
@@ -489,10 +511,7 @@ def main(argv=None):
                     stop = f"error: {e}"
             # ---- 2. advantages (opd: GRPO's of the task reward, weighted; the teacher's come per token) ----
             if rank == 0 and stop is None:
-                opd = cfg.advantage == "opd"
-                rewards, groups = torch.tensor([m["reward"] for m in msgs]), torch.tensor([m["group"] for m in msgs])
-                adv = est.ADVANTAGES["grpo" if opd else cfg.advantage](rewards=rewards, group_ids=groups)
-                shares = make_shares(msgs, (adv * cfg.opd_reward_coef if opd else adv).tolist(), world, cfg)
+                shares = make_shares(msgs, advantages(cfg, msgs).tolist(), world, cfg)
             # rank 0 sends every rank its share and one decision to stop (a signal may reach them at different times)
             out = [(stop, shares[rank])]
             if world > 1:
@@ -516,9 +535,12 @@ def main(argv=None):
             t_train, t_hand = time.perf_counter() - t_train, t_train - t_step - wait  # hand-out: advantages, shares
             step += 1
             # ---- 5. publish weights as version `step`; log; checkpoint ----
-            if ro is not None and cfg.deterministic:  # publish once all the last version admitted has ended; a
-                # checkpoint from here to the next publish resumes from the rollout's state and the groups held now
-                state["resume"] = {"rollout": ro.settle(), "held": list(ro.held), "dropped": ro.dropped.value}
+            if ro is not None and cfg.deterministic:  # publish once all the last version admitted has ended
+                settled = ro.settle(lambda: STOP["signal"] and time.monotonic() - STOP["at"] > cfg.stop_grace)
+                if settled is None:  # the checkpoint then resumes as a non-deterministic run does
+                    print(f"{STOP['signal']}: episodes still running after stop_grace: the resume will not be exact")
+                state["resume"] = settled and {"rollout": settled, "held": list(ro.held), "dropped": ro.dropped.value,
+                                               "counters": dict(counters)}  # live: a resume counts again
             t_sync = time.perf_counter()
             weights = full_state(model, fsdp, changed)
             if ro is not None:

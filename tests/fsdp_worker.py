@@ -33,7 +33,7 @@ def make_msgs(model, n, seed):
     return msgs
 
 
-def main(out, mode=""):
+def main(out, mode="", *args):
     """mode: "vision" (images on one rank only), "kl" (a reference model: ranks with an empty micro-batch must
     still run its forward), "mini" (two updates per batch: the mini-batches are the same on 1 and 2 ranks), "lora"
     (LoRA adapters through train.build_model: frozen base and adapters sharded together; also saves what a publish
@@ -41,7 +41,7 @@ def main(out, mode=""):
     vision = mode == "vision"
     cfg = config.load(["--micro_batch_tokens=24", "--grad_clip=0.5", "--max_staleness=0"] +
                       {"kl": ["--kl_coef=0.05"], "mini": ["--mini_batches=2", "--policy_loss=cispo"],
-                       "lora": ["--lora_rank=4", "--lora_alpha=8"]}.get(mode, []))
+                       "lora": ["--lora_rank=4", "--lora_alpha=8"]}.get(mode, []) + list(args))
     rank, world, device, _ = train.compute_init(cfg)
     c = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -60,12 +60,9 @@ def main(out, mode=""):
         if world > 1:
             dist.barrier()
         model = train.build_model(cfg, rank, device, world > 1, base, adapters=adapters if rank == 0 else None)
-    elif world > 1:
-        from torch.distributed.fsdp import fully_shard
+    elif world > 1:  # as train.build_model shards (args: e.g. --reshard_after_forward=true, the GPU's pattern)
         for m in [model] + ([ref] if ref is not None else []):
-            for block in m.model.layers:
-                fully_shard(block)
-            fully_shard(m)
+            train.shard(m, cfg, device)
     # SGD: the update is linear in the gradient, so equal gradients must give equal weights (Adam's first
     # step, g / (|g| + eps), would turn 1e-9 rounding differences of near-zero gradients into lr-sized ones)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
