@@ -257,6 +257,7 @@ def test_a_new_run_refuses_a_used_out_dir(tmp_path):
 HANG_AGENT = """
 import asyncio
 async def run(task, llm):
+    open(STARTED, "w").close()  # the rollout runs agents: the trainer is started and waits for their episodes
     await asyncio.sleep(10**6)
 """
 
@@ -267,11 +268,15 @@ async def run(task, llm):
 
 
 def test_sigterm_while_waiting_for_a_batch_checkpoints_and_exits(tmp_path):
-    (tmp_path / "hang.py").write_text(HANG_AGENT)
+    started = tmp_path / "started"
+    (tmp_path / "hang.py").write_text(f"STARTED = {str(started)!r}\n" + HANG_AGENT)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
            f"--out_dir={tmp_path / 'run'}", f"--task={tmp_path / 'hang.py'}", "--episode_timeout=1000"]
     p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(15)  # started, and waiting for episodes that never come
+    deadline = time.monotonic() + 120
+    while not started.exists():  # started, and waiting for episodes that never come
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-2000:] if p.poll() else "slow"
+        time.sleep(0.1)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0 and "SIGTERM: checkpoint of step 0" in out, err[-2000:]
