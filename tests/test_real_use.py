@@ -336,7 +336,7 @@ def test_filter_groups_trains_only_informative_groups_within_the_staleness_bound
             groups.setdefault(m["group"], set()).add(m["reward"])
         assert len(groups) == 4 and all(len(rs) > 1 for rs in groups.values())  # 4 groups, none all-equal
         assert all(step - 1 - m["versions"][m["loss_mask"] == 1].min() <= 1 for m in msgs)
-    assert all(m["staleness/max"] <= 1 for m in ms)
+    assert all(m["staleness/max"] <= 1 for m in ms) and ms[-1]["rollout/dropped_stale"] == 0
 
 
 def test_replaying_a_dumped_run_reproduces_its_losses_and_weights(tmp_path):
@@ -391,6 +391,6 @@ def test_two_async_steps_of_the_real_smollm2_recipe(tmp_path):
     assert len(ms) == 2 and all(m["tokens/trained"] > 0 for m in ms)
     fresh = [m for m in ms if m["mismatch/tokens"]]
     assert fresh and all(m["mismatch/logprob_abs_diff"] < 1e-5 for m in fresh)
-    assert all(m["staleness/max"] <= 1 for m in ms)
+    assert all(m["staleness/max"] <= 1 for m in ms) and ms[-1]["rollout/dropped_stale"] == 0
     from transformers import AutoModelForCausalLM
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").config.model_type == "llama"
