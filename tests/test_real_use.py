@@ -15,7 +15,7 @@ import config
 import rollout
 import train
 from model_moe import ModelConfig, Transformer
-from test_rollout import collect, engine_for
+from test_rollout import collect, drive, engine_for
 from test_train import ENV, ROOT, metrics, run_train
 
 
@@ -159,6 +159,21 @@ def test_every_eos_id_stops_and_the_chat_template_travels_with_checkpoints(tmp_p
     ids = rollout.stop_ids(tok, str(src))
     assert {extra, 5, tok.convert_tokens_to_ids("<|im_end|>")} <= set(ids)
     model = Transformer(ModelConfig(vocab_size=len(tok))).init_weights(0)
+    # the engine, given those ids, on a model biased toward them (each ~8% a token): every completion ends at its
+    # first stop id (or at max_new_tokens, none before), and each id stops some completion
+    biased = Transformer(ModelConfig(vocab_size=len(tok), tie_word_embeddings=False)).init_weights(0)
+    biased.lm_head = torch.nn.Linear(biased.config.hidden_size, len(tok))
+    with torch.no_grad():
+        biased.lm_head.weight.zero_()
+        biased.lm_head.bias.zero_()[ids] = torch.tensor(len(tok) / (4 * len(ids))).log()
+    engine = rollout.TorchEngine(biased, slots=8, max_len=64, max_new_tokens=24, stop_ids=ids, seed=1)
+
+    async def generate():
+        return await asyncio.gather(*[engine.generate([1, 2, 3 + i]) for i in range(40)])
+    outs = drive(engine, generate)
+    stops = set(ids)
+    assert all(not stops & set(o.ids[:-1]) and (o.ids[-1] in stops or len(o.ids) == 24) for o in outs)
+    assert {o.ids[-1] for o in outs} >= stops, {o.ids[-1] for o in outs}
     cfg = config.load([f"--out_dir={tmp_path}"])
     opt = torch.optim.AdamW(model.parameters())
     train.save_checkpoint(cfg, model, opt, {"step": 1, "data_position": 0}, str(src), 0, False)
