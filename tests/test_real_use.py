@@ -366,6 +366,27 @@ def test_replaying_a_dumped_run_reproduces_its_losses_and_weights(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     r = run_train(tmp_path / "c", "--max_steps=4", "--max_staleness=0", f"--replay={tmp_path / 'a' / 'rollouts'}")
     assert r.returncode != 0 and "step_4.pt is missing" in r.stderr
+    # the advantages main computes (not GRPO's): step 1 of a batch with rewards of our own, against a hand-built loss
+    from test_loss_wiring import reference
+    msgs = torch.load(tmp_path / "a" / "rollouts" / "step_1.pt", weights_only=False)
+    for m in msgs:
+        m["reward"] = float(m["index"] % 3 + m["group"])  # varied within and across groups
+    (tmp_path / "own").mkdir()
+    torch.save(msgs, tmp_path / "own" / "step_1.pt")
+    r_ = torch.tensor([m["reward"] for m in msgs])
+    same = torch.tensor([[x["group"] == y["group"] for y in msgs] for x in msgs]).float()  # (N, N)
+    dev = r_ - same @ r_ / same.sum(1)  # r - its group's mean
+    own = {"rloo": r_ - (same @ r_ - r_) / (same.sum(1) - 1), "reinforce_pp_baseline": (dev - dev.mean()) / (
+        dev.std() + 1e-6)}
+    policy = Transformer.from_pretrained(tmp_path / "a" / "tiny-init")
+    for name, adv in own.items():
+        r = run_train(tmp_path / name, "--max_steps=1", "--max_staleness=0", f"--replay={tmp_path / 'own'}",
+                      f"--advantage={name}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        cfg = config.load(["--config", os.path.join(ROOT, "configs", "guess.py"), f"--advantage={name}"])
+        with torch.no_grad():
+            expected = reference(policy, msgs, cfg, adv.tolist()).item()
+        assert abs(metrics(tmp_path / name)[0]["loss/policy"] - expected) < 1e-5, (name, expected)
 
 
 def test_distilling_from_a_copy_of_oneself_has_zero_advantage():

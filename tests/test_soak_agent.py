@@ -170,4 +170,6 @@ def test_kill_9_of_the_trainer_alone_takes_the_rollout_and_its_tools_along(tmp_p
     deadline = time.monotonic() + 10  # the parent-death SIGKILL is asynchronous: give them a moment to go
     while (left := [c for c in children if alive(c)] + named(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
+    for pid in left:  # (a failing run leaves no orphans behind)
+        os.kill(pid, 9)
     assert left == []
