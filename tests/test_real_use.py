@@ -370,7 +370,7 @@ def test_replaying_a_dumped_run_reproduces_its_losses_and_weights(tmp_path):
     from test_loss_wiring import reference
     msgs = torch.load(tmp_path / "a" / "rollouts" / "step_1.pt", weights_only=False)
     for m in msgs:
-        m["reward"] = float(m["index"] % 3 + m["group"])  # varied within and across groups
+        m["reward"] = float(m["index"] % 3 * (m["group"] + 1))  # varied within groups, spread unlike across them
     (tmp_path / "own").mkdir()
     torch.save(msgs, tmp_path / "own" / "step_1.pt")
     r_ = torch.tensor([m["reward"] for m in msgs])
@@ -378,15 +378,20 @@ def test_replaying_a_dumped_run_reproduces_its_losses_and_weights(tmp_path):
     dev = r_ - same @ r_ / same.sum(1)  # r - its group's mean
     own = {"rloo": r_ - (same @ r_ - r_) / (same.sum(1) - 1), "reinforce_pp_baseline": (dev - dev.mean()) / (
         dev.std() + 1e-6)}
-    policy = Transformer.from_pretrained(tmp_path / "a" / "tiny-init")
-    for name, adv in own.items():
+    norms = []
+    for name, adv in own.items():  # (no router loss: its gradient is not the advantages')
         r = run_train(tmp_path / name, "--max_steps=1", "--max_staleness=0", f"--replay={tmp_path / 'own'}",
-                      f"--advantage={name}")
+                      f"--advantage={name}", "--router_aux_coef=0")
         assert r.returncode == 0, r.stderr[-3000:]
         cfg = config.load(["--config", os.path.join(ROOT, "configs", "guess.py"), f"--advantage={name}"])
-        with torch.no_grad():
-            expected = reference(policy, msgs, cfg, adv.tolist()).item()
-        assert abs(metrics(tmp_path / name)[0]["loss/policy"] - expected) < 1e-5, (name, expected)
+        policy = Transformer.from_pretrained(tmp_path / "a" / "tiny-init")
+        expected = reference(policy, msgs, cfg, adv.tolist())
+        expected.backward()  # the loss is ~0 when a group's episodes are as long; its gradient is not
+        norms.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]).norm().item())
+        m = metrics(tmp_path / name)[0]
+        # (the groups' advantages cancel in the gradient too: sums in another order differ by ~2e-4 of the norm)
+        assert abs(m["loss/policy"] - expected.item()) < 1e-5 and abs(m["grad/norm"] - norms[-1]) < 2e-3 * norms[-1]
+    assert abs(norms[0] - norms[1]) > 0.1 * norms[0], norms  # the two advantages give other gradients
 
 
 def test_distilling_from_a_copy_of_oneself_has_zero_advantage():
