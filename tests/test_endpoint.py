@@ -3,6 +3,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -349,13 +350,18 @@ def test_completions_refuse_bad_prompts_and_a_new_prefix_is_a_new_segment(tok):
 
 
 # ---- an agent that is a separate process, handed the base URL in its environment ----
-def test_a_separate_agent_program_is_trained_token_exactly(tok):
+def test_a_separate_agent_program_is_trained_token_exactly(tok, tmp_path):
     """tests/agents/process_agent.py runs tests/agents/sum_program.py (the openai client in another process) per
-    episode, through produce(): every episode passes the token check, its reward is what the program printed."""
-    agent_file = os.path.join(os.path.dirname(__file__), "agents", "process_agent.py")
-    cfg = config.load([f"--task={agent_file}", "--group_size=2", "--prompts_per_step=2", "--concurrent_agents=4"])
+    episode, through produce(): every episode passes the token check, its reward is what the program printed (a copy
+    of the program that prints, last, a reward of its own: index + 0.25, which no default or rounding gives)."""
+    for name in ("process_agent.py", "sum_program.py"):
+        shutil.copy(os.path.join(os.path.dirname(__file__), "agents", name), tmp_path / name)
+    with open(tmp_path / "sum_program.py", "a") as f:
+        f.write('print(task["index"] + 0.25)\n')
+    cfg = config.load([f"--task={tmp_path / 'process_agent.py'}", "--group_size=2", "--prompts_per_step=2",
+                       "--concurrent_agents=4"])
     msgs = collect(cfg, dense_engine(tok), tok, 4)  # produce() ran check_tokens on each: it passed
-    assert len(msgs) == 4 and all(m["info"]["segments"] == 1 and m["reward"] in (0.0, 1.0) for m in msgs)
+    assert len(msgs) == 4 and all(m["info"]["segments"] == 1 and m["reward"] == m["index"] + 0.25 for m in msgs)
     for m in msgs:
         assert torch.equal(m["ids"][m["loss_mask"].bool()], m["engine_ids"])
         assert tok.decode(m["ids"]).count("<|im_start|>assistant") == 2 and "Sure?" in tok.decode(m["ids"])

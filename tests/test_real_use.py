@@ -15,7 +15,7 @@ import config
 import rollout
 import train
 from model_moe import ModelConfig, Transformer
-from test_rollout import collect, engine_for
+from test_rollout import collect, drive, engine_for
 from test_train import ENV, ROOT, metrics, run_train
 
 
@@ -55,7 +55,7 @@ def test_engine_prefill_and_weight_swap_never_build_logits_for_every_position():
         await asyncio.gather(*futs)
         return mode.largest
     largest = asyncio.run(main())
-    assert largest < 4 * T * V, largest  # at most a chunk's worth, never B x T x V
+    assert largest <= B * V, largest  # the rows' last positions only (B x V): never a chunk's or B x T x V
 
 
 # ---- user agents: the rollout assigns groups ----
@@ -159,6 +159,21 @@ def test_every_eos_id_stops_and_the_chat_template_travels_with_checkpoints(tmp_p
     ids = rollout.stop_ids(tok, str(src))
     assert {extra, 5, tok.convert_tokens_to_ids("<|im_end|>")} <= set(ids)
     model = Transformer(ModelConfig(vocab_size=len(tok))).init_weights(0)
+    # the engine, given those ids, on a model biased toward them (each ~8% a token): every completion ends at its
+    # first stop id (or at max_new_tokens, none before), and each id stops some completion
+    biased = Transformer(ModelConfig(vocab_size=len(tok), tie_word_embeddings=False)).init_weights(0)
+    biased.lm_head = torch.nn.Linear(biased.config.hidden_size, len(tok))
+    with torch.no_grad():
+        biased.lm_head.weight.zero_()
+        biased.lm_head.bias.zero_()[ids] = torch.tensor(len(tok) / (4 * len(ids))).log()
+    engine = rollout.TorchEngine(biased, slots=8, max_len=64, max_new_tokens=24, stop_ids=ids, seed=1)
+
+    async def generate():
+        return await asyncio.gather(*[engine.generate([1, 2, 3 + i]) for i in range(40)])
+    outs = drive(engine, generate)
+    stops = set(ids)
+    assert all(not stops & set(o.ids[:-1]) and (o.ids[-1] in stops or len(o.ids) == 24) for o in outs)
+    assert {o.ids[-1] for o in outs} >= stops, {o.ids[-1] for o in outs}
     cfg = config.load([f"--out_dir={tmp_path}"])
     opt = torch.optim.AdamW(model.parameters())
     train.save_checkpoint(cfg, model, opt, {"step": 1, "data_position": 0}, str(src), 0, False)
@@ -257,6 +272,7 @@ def test_a_new_run_refuses_a_used_out_dir(tmp_path):
 HANG_AGENT = """
 import asyncio
 async def run(task, llm):
+    open(STARTED, "w").close()  # the rollout runs agents: the trainer is started and waits for their episodes
     await asyncio.sleep(10**6)
 """
 
@@ -267,11 +283,15 @@ async def run(task, llm):
 
 
 def test_sigterm_while_waiting_for_a_batch_checkpoints_and_exits(tmp_path):
-    (tmp_path / "hang.py").write_text(HANG_AGENT)
+    started = tmp_path / "started"
+    (tmp_path / "hang.py").write_text(f"STARTED = {str(started)!r}\n" + HANG_AGENT)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
            f"--out_dir={tmp_path / 'run'}", f"--task={tmp_path / 'hang.py'}", "--episode_timeout=1000"]
     p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(15)  # started, and waiting for episodes that never come
+    deadline = time.monotonic() + 120
+    while not started.exists():  # started, and waiting for episodes that never come
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-2000:] if p.poll() else "slow"
+        time.sleep(0.1)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0 and "SIGTERM: checkpoint of step 0" in out, err[-2000:]
@@ -331,7 +351,7 @@ def test_filter_groups_trains_only_informative_groups_within_the_staleness_bound
             groups.setdefault(m["group"], set()).add(m["reward"])
         assert len(groups) == 4 and all(len(rs) > 1 for rs in groups.values())  # 4 groups, none all-equal
         assert all(step - 1 - m["versions"][m["loss_mask"] == 1].min() <= 1 for m in msgs)
-    assert all(m["staleness/max"] <= 1 for m in ms)
+    assert all(m["staleness/max"] <= 1 for m in ms) and ms[-1]["rollout/dropped_stale"] == 0
 
 
 def test_replaying_a_dumped_run_reproduces_its_losses_and_weights(tmp_path):
@@ -346,6 +366,32 @@ def test_replaying_a_dumped_run_reproduces_its_losses_and_weights(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     r = run_train(tmp_path / "c", "--max_steps=4", "--max_staleness=0", f"--replay={tmp_path / 'a' / 'rollouts'}")
     assert r.returncode != 0 and "step_4.pt is missing" in r.stderr
+    # the advantages main computes (not GRPO's): step 1 of a batch with rewards of our own, against a hand-built loss
+    from test_loss_wiring import reference
+    msgs = torch.load(tmp_path / "a" / "rollouts" / "step_1.pt", weights_only=False)
+    for m in msgs:
+        m["reward"] = float(m["index"] % 3 * (m["group"] + 1))  # varied within groups, spread unlike across them
+    (tmp_path / "own").mkdir()
+    torch.save(msgs, tmp_path / "own" / "step_1.pt")
+    r_ = torch.tensor([m["reward"] for m in msgs])
+    same = torch.tensor([[x["group"] == y["group"] for y in msgs] for x in msgs]).float()  # (N, N)
+    dev = r_ - same @ r_ / same.sum(1)  # r - its group's mean
+    own = {"rloo": r_ - (same @ r_ - r_) / (same.sum(1) - 1), "reinforce_pp_baseline": (dev - dev.mean()) / (
+        dev.std() + 1e-6)}
+    norms = []
+    for name, adv in own.items():  # (no router loss: its gradient is not the advantages')
+        r = run_train(tmp_path / name, "--max_steps=1", "--max_staleness=0", f"--replay={tmp_path / 'own'}",
+                      f"--advantage={name}", "--router_aux_coef=0")
+        assert r.returncode == 0, r.stderr[-3000:]
+        cfg = config.load(["--config", os.path.join(ROOT, "configs", "guess.py"), f"--advantage={name}"])
+        policy = Transformer.from_pretrained(tmp_path / "a" / "tiny-init")
+        expected = reference(policy, msgs, cfg, adv.tolist())
+        expected.backward()  # the loss is ~0 when a group's episodes are as long; its gradient is not
+        norms.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]).norm().item())
+        m = metrics(tmp_path / name)[0]
+        # (the groups' advantages cancel in the gradient too: sums in another order differ by ~2e-4 of the norm)
+        assert abs(m["loss/policy"] - expected.item()) < 1e-5 and abs(m["grad/norm"] - norms[-1]) < 2e-3 * norms[-1]
+    assert abs(norms[0] - norms[1]) > 0.1 * norms[0], norms  # the two advantages give other gradients
 
 
 def test_distilling_from_a_copy_of_oneself_has_zero_advantage():
@@ -386,6 +432,6 @@ def test_two_async_steps_of_the_real_smollm2_recipe(tmp_path):
     assert len(ms) == 2 and all(m["tokens/trained"] > 0 for m in ms)
     fresh = [m for m in ms if m["mismatch/tokens"]]
     assert fresh and all(m["mismatch/logprob_abs_diff"] < 1e-5 for m in fresh)
-    assert all(m["staleness/max"] <= 1 for m in ms)
+    assert all(m["staleness/max"] <= 1 for m in ms) and ms[-1]["rollout/dropped_stale"] == 0
     from transformers import AutoModelForCausalLM
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").config.model_type == "llama"

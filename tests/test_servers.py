@@ -460,6 +460,7 @@ def train_loop_on_policy(tmp_path, engine, flags, env=()):
     assert [m["policy_version"] for m in ms] == [1, 2, 3]
     for m in ms:
         assert m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] > 0
+        assert m["rollout/dropped_stale"] == 0  # the admission bound kept every episode (staleness/max: by construction)
     print(f"{engine}: mismatch/logprob_abs_diff", [f"{m['mismatch/logprob_abs_diff']:.1e}" for m in ms],
           "time/weight_sync:", [round(m["time/weight_sync"], 3) for m in ms])
     return ms

@@ -45,8 +45,9 @@ def test_injected_faults_are_counted_dropped_and_never_trained(tmp_path):
         assert m["episode/injected_malformed"] == 0 and m["episode/tool_uncontained"] == 0
     injected = {e["index"]: e for e in map(json.loads, open(log))}
     drops = {int(i): key for i, key in re.findall(r"\[rollout\] episode (\d+) dropped \((\w+)\)", r.stderr)}
-    for i, key in drops.items():  # each drop is an injected fault, under its counter, or a slow episode timing out
-        assert key in ("agent_timeouts", injected.get(i, {}).get("expect")), (i, key, injected.get(i))
+    for i, key in drops.items():  # each drop: an agent fault under its own counter, or a slow episode timing out
+        expect = injected.get(i, {}).get("expect", "agent_timeouts")  # (not injected, or a tool fault: slow)
+        assert key == expect or (expect == "trained" and key == "agent_timeouts"), (i, key, injected.get(i))
     agent_kinds = {k for k, v in KINDS.items() if v != "trained"}
     assert {injected[i]["kind"] for i in drops if i in injected} == agent_kinds  # each kind, dropped
     tools = [e for e in injected.values() if e["expect"] == "trained"]
@@ -126,3 +127,49 @@ def test_rollout_that_dies_exits_even_with_agents_that_ignore_cancellation(tmp_p
                        capture_output=True, text=True)
     assert r.returncode != 0 and "rollout process died (exit code 1)" in r.stderr, r.stderr[-3000:]
     assert "injected: the server went away" in r.stderr
+
+
+TOOL_AGENT = """
+from agent import guess, run_tool
+
+async def run(task, llm):
+    if task["index"] == 0:  # a tool call that is still running when the trainer is killed
+        await run_tool(f"import ctypes, time\\nctypes.CDLL(None).prctl(15, {MARKER!r})\\ntime.sleep(3600)", timeout_s=600)
+    return await guess(task, llm)
+"""
+
+
+def alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_kill_9_of_the_trainer_alone_takes_the_rollout_and_its_tools_along(tmp_path):
+    """SIGKILL to the trainer's pid only (not its process group, as an OOM killer or `kill -9 PID` does): the
+    rollout process and the tool call it runs die with it."""
+    marker = f"nmkill{os.getpid() % 10**5}"
+    (tmp_path / "tool.py").write_text(f"MARKER = {marker.encode()!r}\n" + TOOL_AGENT)
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           f"--out_dir={tmp_path / 'run'}", f"--task={tmp_path / 'tool.py'}", "--max_steps=100000",
+           "--episode_timeout=1000", "--ckpt_every=0", "--dump_every=0"]
+    p = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not named(marker):
+            assert p.poll() is None and time.monotonic() < deadline, "the run died or the tool never started"
+            time.sleep(0.1)
+        children = [int(c) for t in os.listdir(f"/proc/{p.pid}/task")
+                    for c in open(f"/proc/{p.pid}/task/{t}/children").read().split()]
+        assert children and all(alive(c) for c in children)  # the rollout process (and its helpers)
+    finally:
+        os.kill(p.pid, 9)
+        p.wait()
+    deadline = time.monotonic() + 10  # the parent-death SIGKILL is asynchronous: give them a moment to go
+    while (left := [c for c in children if alive(c)] + named(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:  # (a failing run leaves no orphans behind)
+        os.kill(pid, 9)
+    assert left == []

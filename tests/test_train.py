@@ -55,6 +55,20 @@ def metrics(out):
     return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
 
 
+def same_checkpoints(a, b):
+    """Two checkpoints hold bitwise the same weights, optimizer state (and LoRA adapters): the untrained policy's
+    rewards are mostly 0, so the metrics alone would not show a resume that restored neither."""
+    from safetensors.torch import load_file
+    wa, wb = load_file(os.path.join(a, "model.safetensors")), load_file(os.path.join(b, "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = (torch.load(os.path.join(d, "trainer.pt"), weights_only=False) for d in (a, b))
+    oa, ob = sa["optimizer"]["state"], sb["optimizer"]["state"]
+    assert oa.keys() == ob.keys() and len(oa) > 0
+    assert all(torch.equal(oa[k][n], ob[k][n]) for k in oa for n in oa[k]), "optimizer state"
+    assert sa["adapters"].keys() == sb["adapters"].keys()
+    assert all(torch.equal(sa["adapters"][k], sb["adapters"][k]) for k in sa["adapters"]), "adapters"
+
+
 def test_on_policy_run_is_consistent_and_resumes_exactly(tmp_path):
     full = run_train(tmp_path / "a", "--max_staleness=0", "--max_steps=6")
     assert full.returncode == 0, full.stderr[-3000:]
@@ -62,6 +76,7 @@ def test_on_policy_run_is_consistent_and_resumes_exactly(tmp_path):
     assert [m["step"] for m in ma] == list(range(1, 7))
     for m in ma:  # strictly on-policy: every token sampled by the weights it trains, mismatch ~0
         assert m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] > 0
+        assert m["rollout/dropped_stale"] == 0
         assert m["mismatch/logprob_abs_diff"] < 1e-5 and abs(m["mismatch/kl"]) < 1e-5
         assert m["routing/flip_frac"] < 0.01  # the replayed experts are the ones the trainer's router picks too
         for key in ("policy_version", "reward/mean", "time/step", "time/wait_rollout", "time/weight_sync",
@@ -76,7 +91,8 @@ def test_on_policy_run_is_consistent_and_resumes_exactly(tmp_path):
     assert [m["step"] for m in mb] == list(range(1, 7))
     for x, y in zip(ma, mb):
         assert x["reward/mean"] == y["reward/mean"] and x["tokens/trained"] == y["tokens/trained"]
-        assert abs(x["loss/policy"] - y["loss/policy"]) < 1e-6
+        assert x["loss/policy"] == y["loss/policy"] and x["grad/norm"] == y["grad/norm"], x["step"]
+    same_checkpoints(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt")  # weights, optimizer state: bitwise
     # the checkpoint is a Hugging Face directory transformers loads
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b" / "ckpt"))
@@ -90,7 +106,8 @@ def test_async_run_bounds_staleness_and_matches_current_tokens(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     ms = metrics(tmp_path)
     assert ms[0]["loss/kl_ref"] < 1e-6 < ms[-1]["loss/kl_ref"]  # the reference is the initial policy
-    assert all(m["staleness/max"] <= 1 for m in ms)
+    assert all(m["staleness/max"] <= 1 for m in ms)  # (by construction: take_batch drops what is past the bound)
+    assert ms[-1]["rollout/dropped_stale"] == 0  # the admission bound kept every episode within it
     assert any(m["staleness/max"] == 1 for m in ms)  # it did run ahead of the trainer
     fresh = [m for m in ms if m["mismatch/tokens"]]
     assert fresh and all(m["mismatch/logprob_abs_diff"] < 1e-5 for m in fresh)
@@ -104,6 +121,34 @@ def test_short_run_reward_rises(tmp_path):
     # 10 steps are 640 episodes: at these rewards (~0.02 -> ~0.1) the standard error of a 10-step mean is ~0.01,
     # so +0.05 is a real rise (seeds 0 and 1 rose by ~0.09, by 0.12 under the previous sampler's stream)
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.05, rewards
+
+
+LATE_AGENT = """
+import asyncio
+from agent import guess
+
+async def run(task, llm):
+    ep = await guess(task, llm)  # group 0 plays under version 0 ...
+    while task["group"] == 0 and llm.engine.shared_version.value < 2:  # ... and hands its episodes in at version 2
+        await asyncio.sleep(0.05)
+    return ep
+"""
+
+
+def test_a_group_handed_in_past_the_staleness_bound_is_dropped_counted_and_the_run_goes_on(tmp_path):
+    """The admission bound cannot stop an agent that returns late: its tokens (version 0) are 2 versions old when
+    it arrives at the trainer of version 2, past max_staleness=1. Its episodes are dropped, counted, never trained,
+    and the steps still get whole batches."""
+    (tmp_path / "late.py").write_text(LATE_AGENT)
+    r = run_train(tmp_path / "run", f"--task={tmp_path / 'late.py'}", "--max_staleness=1", "--prompts_per_step=2",
+                  "--max_steps=4", "--rollout_dump", "--dump_every=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ms = metrics(tmp_path / "run")
+    assert ms[-1]["rollout/dropped_stale"] == 8 and ms[1]["rollout/dropped_stale"] == 0  # the whole group, once
+    assert all(m["staleness/max"] <= 1 for m in ms)
+    for step in range(1, 5):
+        msgs = torch.load(tmp_path / "run" / "rollouts" / f"step_{step}.pt", weights_only=False)
+        assert len(msgs) == 16 and all(m["group"] != 0 for m in msgs), step  # two whole groups, never group 0
 
 
 DIE_AGENT = """
@@ -158,8 +203,9 @@ def test_sigterm_or_ctrl_c_writes_a_checkpoint_and_exits_cleanly(tmp_path, to):
            f"--out_dir={tmp_path}", "--prompts_per_step=2", "--max_steps=100000", "--ckpt_every=0"]
     p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=to == "group")
-    deadline = time.time() + 120
-    while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists() or len(metrics(tmp_path)) < 2:
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").exists() or len(metrics(tmp_path)) < 2:  # a run that dies fails here
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-2000:] if p.poll() else "slow"
         time.sleep(0.5)
     name = "SIGTERM" if to == "trainer" else "SIGINT"
     if to == "trainer":
