@@ -336,15 +336,14 @@ def test_a_bad_token_id_fails_only_its_own_agent(tmp_path, tok, capsys):
 
 
 CHAT_AGENT = """
-import openai
+import aiohttp
 
 async def run(task, llm):
-    client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
-    try:
-        await client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "hi"}])
-    except openai.APIStatusError as e:
-        print(e.status_code, file=open(LOG, "a"))
-        raise
+    async with aiohttp.ClientSession() as s:
+        async with s.post(llm.base_url + "/chat/completions", json={"model": llm.model, "messages": [
+                {"role": "user", "content": "hi"}]}, headers={"Authorization": "Bearer " + llm.api_key}) as r:
+            print(r.status, (await r.json())["error"]["type"], file=open(LOG, "a"))
+            r.raise_for_status()
     return 1.0
 """
 
@@ -365,9 +364,11 @@ def test_a_dead_server_reaches_chat_agents_as_5xx_and_ends_the_run(tmp_path, tok
         await rollout.produce(cfg, e, tok, queue.Queue(), Counter(), 0, len(tok))
     with pytest.raises(ServerError, match=r"(?s)unreachable.*illegal memory access"):
         drive(e, chat_agents)
-    assert set(statuses.read_text().split()) == {"503"}
+    assert set(statuses.read_text().splitlines()) == {"503 server_error"}
     fake.close()
-    gc.collect()  # the agents' tasks left behind log their errors here, not at a random point of pytest's own work
+    # the agents' tasks that produce left (done, their errors never retrieved) log them when collected: now, not in
+    # the middle of a later ast.parse, where CPython 3.11.7 then fails with "AST constructor recursion depth mismatch"
+    gc.collect()
 
 
 def fake_interpreter(tmp_path, script):
