@@ -71,14 +71,17 @@ async def _handle(server, fn, request):
             kind, choice, usage = await fn(server, llm, body)
         return web.json_response({"id": f"nanomolt-{time.monotonic_ns()}", "object": kind, "model": server["model"],
                                   "created": int(time.time()), "choices": [dict(index=0, **choice)], "usage": usage})
-    except (ValueError, RuntimeError) as e:  # the engine refused it: too long a prompt, a closed episode
+    except ValueError as e:  # the engine refused it: too long a prompt, a bad id
         code = "context_length_exceeded" if "max_len" in str(e) else None
         raise _error(str(e), code and ("prompt" if fn is _complete else "messages"), code) from None
+    except RuntimeError as e:  # not the request's fault: a server failed (the rollout stops), the episode is closed
+        raise _error(str(e), http=web.HTTPServiceUnavailable) from None
 
 
 def _error(message, param=None, code=None, http=web.HTTPBadRequest):
     """An OpenAI-style error body (what the agent's client raises) as an aiohttp exception, for the handler to raise."""
-    error = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+    kind = "server_error" if http.status_code >= 500 else "invalid_request_error"
+    error = {"message": message, "type": kind, "param": param, "code": code}
     return http(text=json.dumps({"error": error}), content_type="application/json")
 
 

@@ -427,9 +427,13 @@ def to_hf_state(sd, c: ModelConfig):
 
 
 def from_hf_state(hf, c: ModelConfig):
-    """Hugging Face keys -> our state dict (per-expert tensors stacked)."""
+    """Hugging Face keys -> our state dict: per-expert tensors (checkpoints) stacked, transformers' fused ones split."""
     out = {k: t for k, t in hf.items() if ".experts." not in k}
     for pre in dict.fromkeys(k.split(".experts.")[0] for k in hf if ".experts." in k):  # each MoE layer's mlp
+        if f"{pre}.experts.gate_up_proj" in hf:  # transformers 5's in memory (convert_gguf's): (E, 2I, H), gate first
+            out[f"{pre}.w_gate"], out[f"{pre}.w_up"] = hf[f"{pre}.experts.gate_up_proj"].chunk(2, dim=1)
+            out[f"{pre}.w_down"] = hf[f"{pre}.experts.down_proj"]
+            continue
         for w in ("gate", "up", "down"):
             out[f"{pre}.w_{w}"] = torch.stack([hf[f"{pre}.experts.{e}.{w}_proj.weight"] for e in range(c.num_experts)])
     return out

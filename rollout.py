@@ -96,6 +96,16 @@ class ContextFull(ValueError):
     """The conversation has reached the engine's max_len: the rollout trains the episode so far as truncated."""
 
 
+def check_prompt(ids, vocab_size, max_len, max_new):
+    """-> the tokens a prompt may have sampled (at most max_new). Both engines check a prompt here, in its agent's call:
+    a bad id fails that agent, not the torch engine's next step or the server (SGLang dies) and the batch it joins."""
+    if not ids or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt ids must be ints in [0, {vocab_size})")
+    if len(ids) >= max_len:
+        raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={max_len}")
+    return min(max_new, max_len - len(ids))
+
+
 @dataclasses.dataclass(eq=False)
 class _Request:
     ids: list  # prompt, then sampled tokens as they come
@@ -135,11 +145,7 @@ class TorchEngine:
 
     async def generate(self, ids, max_new_tokens=None, images=None, key=None) -> Completion:
         """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
-        if not ids or not all(isinstance(t, int) and 0 <= t < self.c.vocab_size for t in ids):  # fail this agent,
-            raise ValueError(f"prompt ids must be ints in [0, {self.c.vocab_size})")  # not the engine's next step
-        max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
-        if max_new <= 0:
-            raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
+        max_new = check_prompt(ids, self.c.vocab_size, self.max_len, max_new_tokens or self.max_new)
         req = _Request(list(ids), len(ids), max_new, asyncio.get_running_loop().create_future(), [], [],
                        images=None if images is None else images.to(self.cache.k.device),
                        key=key or (-1, next(self.requests)))  # without a Policy's key: the request's number
@@ -482,8 +488,9 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             else await asyncio.sleep(0.01, ())  # asyncio.wait takes no empty set
         for t in done:
             i, err, msgs = running.pop(t), t.exception(), []
-            if isinstance(err, ServerError):  # not the agent's fault, and every later call would fail too
-                raise err
+            failed = getattr(engine, "failed", None)  # a server failed (where a chat agent only saw a 503)
+            if failed or isinstance(err, ServerError):  # not the agent's fault, and every later call would fail too
+                raise failed or err
             if err is None:
                 msgs = t.result()
                 for m in msgs:
@@ -697,7 +704,7 @@ class ServerEngine:
                  max_new_tokens=16, max_len=512, stop_ids=(), seed=0, version=None, timeout=600.0, concurrency=64,
                  weights=None, lock=None, sync="disk"):
         c, self.api, self.urls, self.logs = model_config, SERVERS[kind], list(urls), list(logs or [None] * len(urls))
-        self.top_k = c.num_experts_per_tok
+        self.top_k, self.vocab_size = c.num_experts_per_tok, c.vocab_size
         self.moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
         self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=list(stop_ids),
                            experts=bool(self.moe_layers))
@@ -708,7 +715,7 @@ class ServerEngine:
             lm_head = {"lm_head.weight": weights.get("lm_head.weight", weights["model.embed_tokens.weight"])}
             self.hf = to_hf_state(weights | lm_head, dataclasses.replace(c, tie_word_embeddings=False))
         self.version = version.value if version is not None else 0  # tokens are tagged with it
-        self.group = self.meta = self.loaded = None  # loaded: the servers' version (None: unknown, run() loads one)
+        self.group = self.meta = self.loaded = self.failed = None  # loaded: the servers' version (None: unknown)
         self.open, self.idle = asyncio.Event(), asyncio.Event()  # admitting requests; none in flight
         self.idle.set()
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
@@ -716,9 +723,7 @@ class ServerEngine:
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
     async def generate(self, ids, max_new_tokens=None, key=None) -> Completion:
-        max_new = min(max_new_tokens or self.max_new, self.max_len - len(ids))
-        if max_new <= 0:
-            raise ContextFull(f"prompt of {len(ids)} tokens leaves no room in the engine's max_len={self.max_len}")
+        max_new = check_prompt(ids, self.vocab_size, self.max_len, max_new_tokens or self.max_new)
         await self.open.wait()  # closed while the servers change weights
         version, i = self.version, next(self.calls)
         seed = int(uniform([[self.seed, *(key or (-1, i))]])[0] * 2**31)  # per request, as the torch
@@ -750,8 +755,8 @@ class ServerEngine:
         self.queued[k] = [] if self.queued[k] is batch else self.queued[k]  # closed: later requests start the next
         try:
             outs = await self._call(k, self.api["generate"], [b[0] for b in batch], [b[1] for b in batch], self.timeout)
-        except Exception as e:  # every caller sees the failure (a ServerError: the rollout stops)
-            outs = [e] * len(batch)
+        except Exception as e:  # every caller sees the failure, and run() raises it: prompts are checked, so a
+            outs, self.failed = [e] * len(batch), e  # failed call is the server's (the rollout stops, chat agents too)
         for (*_, fut), out in zip(batch, outs):
             if not fut.done():  # its agent was cancelled meanwhile
                 fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
@@ -777,6 +782,8 @@ class ServerEngine:
         """On a new shared version: close admission, wait for the requests in flight, move every server to
         it (in memory or from its directory), reopen. Tokens sampled after that are tagged with it."""
         while True:
+            if self.failed is not None:
+                raise self.failed
             target = self.shared_version.value if self.shared_version is not None else self.version
             if target != self.loaded:
                 self.open.clear()

@@ -18,8 +18,9 @@ V = 96
 
 def hf_model(moe, tied, gqa=True, seed=0, family=Qwen3Config, **kw):
     torch.manual_seed(seed)
-    common = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2 if gqa else 4, head_dim=8, tie_word_embeddings=tied, rope_theta=5e4 + seed)
+    common = dict(vocab_size=kw.pop("vocab_size", V), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2 if gqa else 4, head_dim=8, tie_word_embeddings=tied,
+                  rope_theta=5e4 + seed)
     if moe:
         c = Qwen3MoeConfig(**common, **{"moe_intermediate_size": 16, "num_experts": 6, "num_experts_per_tok": 2,
                                         "mlp_only_layers": [1], **kw})
@@ -201,6 +202,72 @@ def test_unsupported_fields_are_named(tmp_path):
         (tmp_path / str(i) / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ValueError, match=field):
             Transformer.from_pretrained(str(tmp_path / str(i)))
+
+
+def write_gguf(path, hf, tok):
+    """A Qwen3-MoE model as a GGUF file, as llama.cpp's converter writes one (fp32, experts stacked per layer, the
+    tokenizer's vocabulary and merges), written here with the gguf package from the checkpoint that hf saves."""
+    import gguf
+    hf.save_pretrained(path.parent / "hf")
+    sd, c = load_file(str(path.parent / "hf" / "model.safetensors")), hf.config  # per-expert keys, as published
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for add, value in [(w.add_context_length, c.max_position_embeddings), (w.add_block_count, c.num_hidden_layers),
+                       (w.add_embedding_length, c.hidden_size), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
+                       (w.add_rope_freq_base, c.rope_parameters["rope_theta"]),
+                       (w.add_layer_norm_rms_eps, c.rms_norm_eps),
+                       (w.add_expert_count, c.num_experts), (w.add_expert_used_count, c.num_experts_per_tok),
+                       (w.add_expert_feed_forward_length, c.moe_intermediate_size), (w.add_vocab_size, c.vocab_size)]:
+        add(value)
+    tj = json.loads(tok.backend_tokenizer.to_str())
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])])
+    w.add_token_types([3 if i < len(tok.all_special_ids) else 1 for i in range(len(tok))])
+    w.add_token_merges([" ".join(m) for m in tj["model"]["merges"]])
+    w.add_eos_token_id(tok.convert_tokens_to_ids("<|im_end|>"))
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+    names |= {f"model.layers.{i}.{k}.weight": f"blk.{i}.{v}.weight" for i in range(c.num_hidden_layers)
+              for k, v in per_layer.items()}
+    for k, name in names.items():
+        w.add_tensor(name, sd[k].numpy())
+    for i in range(c.num_hidden_layers):  # (E, out, in), one tensor per projection
+        for proj in ("gate", "up", "down"):
+            w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", torch.stack(
+                [sd[f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight"] for e in range(c.num_experts)]).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate")),
+                    reason="needs gguf and accelerate: pip install -r requirements.txt")
+def test_qwen3_moe_from_gguf_and_back_to_transformers(tmp_path, tok):
+    """transformers 5.23 holds a Qwen3-MoE's experts fused (experts.gate_up_proj, experts.down_proj) in memory, and
+    that state dict is what convert_gguf reads; our save writes per-expert keys, which transformers loads."""
+    # what a qwen3moe GGUF file can say: every layer MoE, top-k weights renormalised (llama.cpp's, as Qwen3-30B-A3B's),
+    # experts 768 wide (transformers 5.23 reads no expert width from a GGUF file: its default)
+    hf = hf_model(True, tied=False, vocab_size=len(tok), mlp_only_layers=[], norm_topk_prob=True,
+                  moe_intermediate_size=768)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in hf.state_dict()
+    write_gguf(tmp_path / "moe.gguf", hf, tok)
+    ours = Transformer.from_pretrained(str(tmp_path / "moe.gguf")).eval()
+    ids, mask, pos = padded_batch(3)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, position_ids=pos).logits
+        assert (ref - ours(ids, positions=pos, pad_mask=mask.bool()))[mask.bool()].abs().max() <= 1e-4
+    ours.save_pretrained(str(tmp_path / "ours"))
+    assert "model.layers.1.mlp.experts.5.gate_proj.weight" in load_file(str(tmp_path / "ours" / "model.safetensors"))
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours")).float().eval()
+    assert type(back) is type(hf) and "model.layers.1.mlp.experts.gate_up_proj" in back.state_dict()
+    with torch.no_grad():
+        assert (ref - back(ids, attention_mask=mask, position_ids=pos).logits)[mask.bool()].abs().max() <= 1e-5
 
 
 # ---- the real SmolLM2-135M-Instruct (Llama architecture, tied embeddings), from a Q4_1 GGUF file ----
