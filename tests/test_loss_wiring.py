@@ -13,9 +13,11 @@ from test_real_use import tiny_setup
 NORM = 8 * 3  # max_new_tokens x max_turns, seq_mean_token_sum_norm's constant
 
 
-def logp_of(net, m, temperature=1.0):
-    """One episode's full forward, experts replayed -> logits (T-1, V) before each token, log pi of each (T-1,)."""
-    logits = net(m["ids"][None], routing=m["routing"].permute(1, 0, 2)[:, None].long())[0, :-1].float()
+def logp_of(net, m, temperature=1.0, replay=True):
+    """One episode's full forward, experts replayed (replay=False: a teacher or reference routes by itself)
+    -> logits (T-1, V) before each token, log pi of each (T-1,)."""
+    routing = m["routing"].permute(1, 0, 2)[:, None].long() if replay else None
+    logits = net(m["ids"][None], routing=routing)[0, :-1].float()
     return logits, torch.log_softmax(logits / temperature, -1).gather(-1, m["ids"][1:, None])[:, 0]
 
 
@@ -28,7 +30,7 @@ def reference(model, msgs, cfg, adv, ref=None, teacher=None, old_shift=None):
         old = lp.detach() - (0 if old_shift is None else old_shift[i])
         A = torch.full_like(lp, adv[i])
         if teacher is not None:  # per-token advantage log pi_teacher - log pi_old
-            A = A + logp_of(teacher, m, cfg.temperature)[1].detach() - old
+            A = A + logp_of(teacher, m, cfg.temperature, replay=False)[1].detach() - old
         ratio = torch.exp(lp - old)
         pg = -torch.minimum(ratio * A, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * A)
         if cfg.dual_clip:
@@ -42,7 +44,7 @@ def reference(model, msgs, cfg, adv, ref=None, teacher=None, old_shift=None):
         ent = -(p * torch.log_softmax(logits, -1)).sum(-1)  # a bonus: entropy_coef > 0 raises it
         tok = pg * w - cfg.entropy_coef * ent
         if ref is not None:
-            d = logp_of(ref, m, cfg.temperature)[1].detach() - lp  # log ref - log pi
+            d = logp_of(ref, m, cfg.temperature, replay=False)[1].detach() - lp  # log ref - log pi
             tok = tok + cfg.kl_coef * {"k1": -d, "k2": d ** 2 / 2, "k3": d.exp() - 1 - d}[cfg.kl_estimator]
         s = (tok * mask).sum()
         per_seq.append({"token_mean": s / n_tok * len(msgs), "seq_mean_token_mean": s / mask.sum(),
