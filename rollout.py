@@ -441,11 +441,14 @@ KNOBS = ("seed", "group_size", "guess_max", "max_turns", "tool_timeout", "tool_m
 
 
 def eval_tasks(cfg):
-    """The held-out tasks, eval_samples episodes per prompt, at indices -1, -2, ... (prompts: groups -1, -2, ...).
-    make_task draws a group's prompt from random.Random(seed * 1_000_003 + group) and training's groups are >= 0: no
-    evaluation prompt is one of training's draws (a task with few prompts, such as guess, still repeats some)."""
-    knobs = {k: getattr(cfg, k) for k in KNOBS} | dict(group_size=cfg.eval_samples, task_file=cfg.eval_file)
-    return [agent_mod.make_task(cfg.eval_task, -1 - j, **knobs) for j in range(cfg.eval_prompts * cfg.eval_samples)]
+    """The held-out tasks, eval_samples episodes per prompt. make_task draws group g's prompt from
+    random.Random(seed * 1_000_003 + g); evaluation's prompt p is group 2**40 + p, which training (groups 0, 1, ...)
+    never reaches: disjoint streams (negative groups would not be: Random(-n) is Random(n)). Their indices -1, -2, ...
+    mark them (the trainer refuses any). A task with few prompts (guess: 5 secrets) still repeats training's."""
+    knobs, K = {k: getattr(cfg, k) for k in KNOBS} | dict(group_size=cfg.eval_samples, task_file=cfg.eval_file), \
+        cfg.eval_samples
+    return [agent_mod.make_task(cfg.eval_task, (2**40 + j // K) * K, **knobs) | {"index": -1 - j, "group": -1 - j // K}
+            for j in range(cfg.eval_prompts * K)]
 
 
 async def evaluate(cfg, one, tokenizer, version, out):

@@ -391,9 +391,9 @@ class Logger:
             json.dump(config.to_dict(cfg), f, indent=2)
         if cfg.wandb_project:
             import wandb
-            state.setdefault("wandb_id", wandb.util.generate_id())
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state["wandb_id"],
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
                                     resume="allow", config=config.to_dict(cfg), dir=cfg.out_dir)
+            state["wandb_id"] = self.wandb.id  # the checkpoints carry it: a resumed run continues this one
 
     def log(self, m):
         with open(self.path, "a") as f:
