@@ -441,13 +441,11 @@ KNOBS = ("seed", "group_size", "guess_max", "max_turns", "tool_timeout", "tool_m
 
 
 def eval_tasks(cfg):
-    """The held-out tasks, eval_samples episodes per prompt. make_task draws group g's prompt from
-    random.Random(seed * 1_000_003 + g); evaluation's prompt p is group 2**40 + p, which training (groups 0, 1, ...)
-    never reaches: disjoint streams (negative groups would not be: Random(-n) is Random(n)). Their indices -1, -2, ...
-    mark them (the trainer refuses any). A task with few prompts (guess: 5 secrets) still repeats training's."""
-    knobs, K = {k: getattr(cfg, k) for k in KNOBS} | dict(group_size=cfg.eval_samples, task_file=cfg.eval_file), \
-        cfg.eval_samples
-    return [agent_mod.make_task(cfg.eval_task, (2**40 + j // K) * K, **knobs) | {"index": -1 - j, "group": -1 - j // K}
+    """The held-out tasks, eval_samples per prompt, at indices -1, -2, ... (the trainer refuses any). make_task seeds
+    group g with seed * 1_000_003 + g; prompt p is group 2**40 + p, which training (groups 0, 1, ...) never reaches
+    (negative groups would: Random(-n) is Random(n)). A task of few prompts (guess: 5 secrets) repeats some anyway."""
+    K, knobs = cfg.eval_samples, {k: getattr(cfg, k) for k in KNOBS} | dict(group_size=1, task_file=cfg.eval_file)
+    return [agent_mod.make_task(cfg.eval_task, 2**40 + j // K, **knobs) | {"index": -1 - j, "group": -1 - j // K}
             for j in range(cfg.eval_prompts * K)]
 
 

@@ -377,45 +377,36 @@ def check_out_dir(cfg):
 
 class Logger:
     """Each metrics line to <out_dir>/metrics.jsonl (eval_only: eval/metrics.jsonl; read it with plot.py, pandas or any
-    logger) and, with wandb_project, to a W&B run: the config once, a resumed run continuing its id (kept in the
-    checkpoint); one console line each. wandb is imported only then (a run without it needs none installed)."""
+    logger) and, with wandb_project, to a W&B run (wandb imported only then): the config once, a resumed run continuing
+    its id (the checkpoints carry it). One console line each: where the run is, its reward, evaluation, speed, ETA."""
     def __init__(self, cfg, step, state):
-        self.cfg, self.start, self.t0 = cfg, step, time.perf_counter()
-        out = os.path.join(cfg.out_dir, "eval" * cfg.eval_only)
-        os.makedirs(out, exist_ok=True)
-        self.path, self.wandb = os.path.join(out, "metrics.jsonl"), None
-        if not cfg.eval_only:  # on resume keep exactly the steps the checkpoint has
-            lines = open(self.path).readlines() if os.path.exists(self.path) else []
-            open(self.path, "w").writelines(line for line in lines if json.loads(line)["step"] <= step)
-        with open(os.path.join(out, "config.json"), "w") as f:
+        self.cfg, self.start, self.t0, self.wandb = cfg, step, time.perf_counter(), None
+        self.path = os.path.join(cfg.out_dir, "eval" * cfg.eval_only, "metrics.jsonl")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
+        open(self.path, "w").writelines(x for x in lines if cfg.eval_only or json.loads(x)["step"] <= step)
+        with open(os.path.join(os.path.dirname(self.path), "config.json"), "w") as f:
             json.dump(config.to_dict(cfg), f, indent=2)
         if cfg.wandb_project:
             import wandb
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
                                     resume="allow", config=config.to_dict(cfg), dir=cfg.out_dir)
-            state["wandb_id"] = self.wandb.id  # the checkpoints carry it: a resumed run continues this one
+            state["wandb_id"] = self.wandb.id
 
     def log(self, m):
         with open(self.path, "a") as f:
             f.write(json.dumps(m) + "\n")
         if self.wandb is not None:
             self.wandb.log(m, step=m["step"])
-        hms = lambda s: str(datetime.timedelta(seconds=round(s)))
-        line, elapsed, k = [f"step {m['step']:4d}/{self.cfg.max_steps}"], time.perf_counter() - self.t0, \
-            self.cfg.eval_samples
-        rate = (m["step"] - self.start) / elapsed  # steps/s since this process started
-        if "reward/mean" in m:  # not in an evaluation's line of its own (at start, eval_only)
-            mm = m["mismatch/logprob_abs_diff"]
-            line += [f"reward {m['reward/mean']:.3f}", f"loss {m['loss/policy']:+.4f}",
-                     f"stale {m['staleness/mean']:.2f}/{m['staleness/max']}",
-                     f"mismatch {'-' if mm is None else f'{mm:.1e}'}",
-                     f"{m['time/step']:.2f}s (wait {m['time/wait_rollout']:.2f}s)",
-                     f"tok/s {m['throughput/rollout_tokens_per_s']:.0f}"]
-        if "eval/pass@1" in m:
-            line.append(f"eval pass@1 {m['eval/pass@1']:.3f} pass@{k} {m[f'eval/pass@{k}']:.3f} "
-                        f"({m['eval/time']:.1f}s)")
+        t, k, mm = time.perf_counter() - self.t0, self.cfg.eval_samples, m.get("mismatch/logprob_abs_diff")
+        rate, hms = (m["step"] - self.start) / t, lambda s: str(datetime.timedelta(seconds=round(s)))
+        parts = [f"step {m['step']:4d}/{self.cfg.max_steps}"] + ([  # (an evaluation's own line has no reward)
+            f"reward {m['reward/mean']:.3f}", f"loss {m['loss/policy']:+.4f}", f"stale {m['staleness/mean']:.2f}/"
+            f"{m['staleness/max']}", f"mismatch {'-' if mm is None else f'{mm:.1e}'}", f"{m['time/step']:.2f}s (wait "
+            f"{m['time/wait_rollout']:.2f}s)"] if "reward/mean" in m else []) + ([
+            f"eval pass@1 {m['eval/pass@1']:.3f} pass@{k} {m[f'eval/pass@{k}']:.3f}"] if "eval/pass@1" in m else [])
         eta = hms((self.cfg.max_steps - m["step"]) / rate) if rate > 0 else "?"
-        print(" | ".join(line + [f"{rate:.2f} steps/s, {hms(elapsed)} elapsed, ETA {eta}"]), flush=True)
+        print(" | ".join(parts + [f"{rate:.2f} steps/s, {hms(t)} elapsed, ETA {eta}"]), flush=True)
 
 
 def log_held(logger, ro, held, wait=True):
