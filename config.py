@@ -105,24 +105,20 @@ class Config:
     def __post_init__(self):
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
-        self.eval_task = self.eval_task or self.task
-        self.eval_max_new_tokens = self.eval_max_new_tokens or self.max_new_tokens
-        evals = self.eval_every or self.eval_at_start or self.eval_only
+        self.evaluates = bool(self.eval_every or self.eval_at_start or self.eval_only)
         checks = [
             ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
             ("weight_sync", self.weight_sync in ("gloo", "nccl", "disk"), "must be gloo, nccl or disk"),
             ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),
-            ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
-            ("lora_rank", self.lora_rank >= 0, "must be >= 0"),
+            *((key, getattr(self, key) >= 0, "must be >= 0") for key in
+              ("max_staleness", "lora_rank", "eval_every", "eval_temperature")),
             *((key, getattr(self, key) >= 1, "must be >= 1") for key in
               ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns",
                "eval_prompts", "eval_samples")),
-            ("eval_every", self.eval_every >= 0 and not (evals and self.replay), "must be >= 0; replay has no engine"),
-            ("eval_file", self.eval_file or not (evals and self.task_file), "must be given (task_file is trained on)"),
-            ("eval_temperature", self.eval_temperature >= 0, "must be >= 0"),
-            ("eval_top_p", 0 < self.eval_top_p <= 1, "must be in (0, 1]"),
+            ("replay", not (self.replay and self.evaluates), "has no engine to evaluate with"),
+            ("eval_file", self.eval_file or not (self.evaluates and self.task_file), "must be set with task_file"),
             ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..{self.batch_size}"),
             ("teacher", (self.advantage == "opd") == bool(self.teacher), "is given exactly when advantage=opd"),
             ("replay", not (self.replay and self.rollout_dump), "and rollout_dump do not go together"),
@@ -132,7 +128,7 @@ class Config:
              "must be true for the image task count on the tiny model"),
             ("engine", self.engine == "torch" or not self.tiny_vision, "takes no images: use engine=torch"),
             ("temperature", self.temperature > 0, "must be > 0 (the recorded logprobs need a sampling distribution)"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            *((key, 0 < getattr(self, key) <= 1, "must be in (0, 1]") for key in ("top_p", "eval_top_p")),
             ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),
             ("correction_low", self.correction_low < 1 < self.correction_high, "must be < 1 < correction_high"),
             ("queue_size", self.queue_size >= self.prompts_per_step, f"must be >= {self.prompts_per_step} (a batch)"),

@@ -445,16 +445,17 @@ def eval_tasks(cfg):
     group g with seed * 1_000_003 + g; prompt p is group 2**40 + p, which training (groups 0, 1, ...) never reaches
     (negative groups would: Random(-n) is Random(n)). A task of few prompts (guess: 5 secrets) repeats some anyway."""
     K, knobs = cfg.eval_samples, {k: getattr(cfg, k) for k in KNOBS} | dict(group_size=1, task_file=cfg.eval_file)
-    return [agent_mod.make_task(cfg.eval_task, 2**40 + j // K, **knobs) | {"index": -1 - j, "group": -1 - j // K}
-            for j in range(cfg.eval_prompts * K)]
+    return [agent_mod.make_task(cfg.eval_task or cfg.task, 2**40 + j // K, **knobs) | {"index": -1 - j,
+            "group": -1 - j // K} for j in range(cfg.eval_prompts * K)]
 
 
 async def evaluate(cfg, one, tokenizer, version, out):
     """Weights `version` on eval_tasks, beside training's agents but outside its window and queue: the episodes to
     <out_dir>/eval/step_<version>.jsonl, the eval/ metrics to `out`. A failed episode is counted and scores 0."""
     t0, tasks, P, K = time.perf_counter(), eval_tasks(cfg), cfg.eval_prompts, cfg.eval_samples
-    sampling = dict(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, max_new_tokens=cfg.eval_max_new_tokens)
-    run = agent_mod.load_agent(cfg.eval_task)
+    sampling = dict(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
+                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens)
+    run = agent_mod.load_agent(cfg.eval_task or cfg.task)
     done = await asyncio.gather(*(one(t, t["index"], run, sampling) for t in tasks), return_exceptions=True)
     if err := next((e for e in done if isinstance(e, ServerError)), None):
         raise err

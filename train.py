@@ -509,8 +509,9 @@ def main(argv=None):
         if cfg.eval_only or cfg.eval_at_start and step == 0:
             ro.evaluate(step)
             held = {"step": step, "policy_version": step}
-        say(f"evaluating {cfg.eval_prompts} x {cfg.eval_samples} episodes" if held else
-            f"waiting for the first batch ({cfg.batch_size} episodes of {cfg.task})")
+            say(f"evaluating step {step} on {cfg.eval_prompts} x {cfg.eval_samples} held-out episodes")
+        if not cfg.eval_only:
+            say(f"waiting for the first batch ({cfg.batch_size} episodes of {cfg.task})")
     last_generated, last_t = 0, time.perf_counter()
     try:
         while step < cfg.max_steps and not cfg.eval_only:
