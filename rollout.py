@@ -916,8 +916,7 @@ def start_server(kind, model_dir, cfg, log, moe=False):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv, env = SERVERS[kind]["command"](model_dir, port, cfg, moe)
-    print(f"starting the {kind} server on port {port} (log: {log}; up to server_timeout={cfg.server_timeout:.0f}s)",
-          flush=True)
+    print(f"starting the {kind} server (log: {log}; server_timeout={cfg.server_timeout:.0f}s)", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
     with open(log, "ab") as f:
         proc = subprocess.Popen([cfg.server_python or sys.executable, *argv, *shlex.split(cfg.server_args)],

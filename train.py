@@ -359,7 +359,7 @@ def load_trainer_state(saved, model, opt, fsdp):
     return state | {"counters": counters | state.get("counters", {})}
 
 
-RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights")
+RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights", "eval")
 
 
 def check_out_dir(cfg):
