@@ -91,20 +91,38 @@ class Config:
     deterministic: bool = False  # async, reproducibly: weights change between batches only; resume is exact
     stop_grace: float = 10.0  # deterministic: seconds after SIGTERM to let episodes end (then the resume is inexact)
     max_bad_steps: int = 3  # stop after this many steps in a row with a non-finite gradient norm (each skipped)
+    # ---- evaluation and logging ----
+    eval_every: int = 0  # evaluate on held-out prompts every N steps (metrics eval/... at that step); 0 = off
+    eval_at_start: bool = False  # also evaluate the initial policy (step 0)
+    eval_only: bool = False  # evaluate the model (or the latest checkpoint of out_dir) once and exit; no training
+    eval_task: str = ""  # the evaluation's agent, as task; empty = task
+    eval_file: str = ""  # held-out prompts (JSONL, as task_file); empty: the task's stream, disjoint from training's
+    eval_prompts: int = 32  # prompts per evaluation
+    eval_samples: int = 4  # k: episodes per prompt (pass@k, mean@k)
+    eval_temperature: float = 1.0  # the evaluation's sampling temperature; 0 = greedy
+    eval_top_p: float = 1.0  # the evaluation's nucleus sampling
+    eval_max_new_tokens: int = 0  # the evaluation's tokens per model turn; 0 = max_new_tokens
+    eval_pass_reward: float = 1.0  # an episode passes (pass@k) when its reward is at least this
+    wandb_project: str = ""  # also stream each metrics line to this Weights & Biases project; empty = off
+    wandb_run: str = ""  # the W&B run's name; empty = one W&B chooses
 
     def __post_init__(self):
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
+        self.evaluates = bool(self.eval_every or self.eval_at_start or self.eval_only)
         checks = [
             ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
             ("weight_sync", self.weight_sync in ("gloo", "nccl", "disk"), "must be gloo, nccl or disk"),
             ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),
-            ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
-            ("lora_rank", self.lora_rank >= 0, "must be >= 0"),
+            *((key, getattr(self, key) >= 0, "must be >= 0") for key in
+              ("max_staleness", "lora_rank", "eval_every", "eval_temperature")),
             *((key, getattr(self, key) >= 1, "must be >= 1") for key in
-              ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns")),
+              ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns",
+               "eval_prompts", "eval_samples")),
+            ("replay", not (self.replay and self.evaluates), "has no engine to evaluate with"),
+            ("eval_file", self.eval_file or not (self.evaluates and self.task_file), "must be set with task_file"),
             ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..{self.batch_size}"),
             ("teacher", (self.advantage == "opd") == bool(self.teacher), "is given exactly when advantage=opd"),
             ("replay", not (self.replay and self.rollout_dump), "and rollout_dump do not go together"),
@@ -114,7 +132,7 @@ class Config:
              "must be true for the image task count on the tiny model"),
             ("engine", self.engine == "torch" or not self.tiny_vision, "takes no images: use engine=torch"),
             ("temperature", self.temperature > 0, "must be > 0 (the recorded logprobs need a sampling distribution)"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            *((key, 0 < getattr(self, key) <= 1, "must be in (0, 1]") for key in ("top_p", "eval_top_p")),
             ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),
             ("correction_low", self.correction_low < 1 < self.correction_high, "must be < 1 < correction_high"),
             ("queue_size", self.queue_size >= self.prompts_per_step, f"must be >= {self.prompts_per_step} (a batch)"),

@@ -63,8 +63,9 @@ async def _handle(server, fn, request):
         body = await request.json()  # not JSON: a ValueError, a 400 below
         if not isinstance(body, dict):
             raise _error("the body must be a JSON object")
-        # refused: sampling knobs would change the distribution the trainer assumes; the record holds one answer
-        for k, v in [*server["sampling"].items(), ("n", 1), ("best_of", 1), ("stream", False), ("echo", False)]:
+        # refused: sampling knobs would change the distribution the trainer (or an evaluation) assumes; one answer
+        for k, v in [*(server["sampling"] | llm.sampling).items(), ("n", 1), ("best_of", 1), ("stream", False),
+                     ("echo", False)]:
             if body.get(k) is not None and body[k] != v:
                 raise _error(f"{k}={body[k]!r} differs from the run's {k}={v!r}", k)
         async with llm.lock:  # one call of an episode at a time: each extends the record it was matched to

@@ -236,3 +236,13 @@ def seq_mean_token_sum_norm(*, per_token: Tensor, loss_mask: Tensor, num_tokens:
 
 AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean,
                 "seq_mean_token_sum": seq_mean_token_sum, "seq_mean_token_sum_norm": seq_mean_token_sum_norm}
+
+
+# ---- evaluation ----
+def pass_at_k(*, passed: Tensor, k: int) -> Tensor:
+    """passed [P, n] bool (n samples per prompt, k <= n) -> [P] float64: the unbiased estimator of pass@k of Chen et
+    al. 2021 (https://arxiv.org/abs/2107.03374), 1 - C(n - c, k) / C(n, k) for c passing samples: the chance that k
+    of the n, drawn without replacement, hold a pass. The ratio is the paper's product over i in n-c+1..n of 1 - k/i."""
+    n, c = passed.shape[-1], passed.sum(-1, keepdim=True)  # c [P, 1]
+    i = torch.arange(1, n + 1, dtype=torch.float64)  # [n]
+    return 1 - torch.where(i > n - c, 1 - k / i, 1.0).prod(-1)

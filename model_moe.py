@@ -454,6 +454,7 @@ def convert_gguf(gguf_path, out_dir=None):
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"converting {gguf_path} to {out_dir} (once: later runs reuse it)", flush=True)
     folder, name = os.path.split(os.path.abspath(gguf_path))
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # transformers refuses to save a model it marks quantized: its config minus the quantization, plus the

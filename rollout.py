@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 
 import agent as agent_mod
 import endpoint
+import estimators as est
 from model_moe import KVCache, Transformer, save_pretrained, to_hf_state
 
 
@@ -118,6 +119,7 @@ class _Request:
     fed: int = 0  # tokens whose keys are in the cache
     key: tuple = ()  # (episode, call): with the seed and a token's position, what its random draw is a function of
     images: torch.Tensor | None = None  # (N, C, H, W) for the prompt's placeholders; used by prefills only
+    sampling: tuple = ()  # an evaluation's (key, value) pairs over the engine's temperature, top_p
 
 
 class TorchEngine:
@@ -143,12 +145,12 @@ class TorchEngine:
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
         self.wake, self.tokens_generated, self.busy_s = asyncio.Event(), 0, 0.0
 
-    async def generate(self, ids, max_new_tokens=None, images=None, key=None) -> Completion:
+    async def generate(self, ids, max_new_tokens=None, images=None, key=None, sampling=None) -> Completion:
         """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
         max_new = check_prompt(ids, self.c.vocab_size, self.max_len, max_new_tokens or self.max_new)
         req = _Request(list(ids), len(ids), max_new, asyncio.get_running_loop().create_future(), [], [],
                        images=None if images is None else images.to(self.cache.k.device),
-                       key=key or (-1, next(self.requests)))  # without a Policy's key: the request's number
+                       key=key or (-1, next(self.requests)), sampling=tuple(sorted((sampling or {}).items())))
         self.waiting.append(req)
         self.wake.set()
         return await req.future
@@ -214,7 +216,10 @@ class TorchEngine:
 
     def _sample(self, rows, logits):
         u = uniform([[self.seed, *r.key, len(r.ids)] for r in rows])  # (B,); len(r.ids): the new token's position
-        ids, logps = sample(logits, u, **self.sampling)
+        ids, logps = torch.zeros(len(rows), dtype=torch.long), torch.zeros(len(rows))
+        for s in {r.sampling for r in rows}:  # an evaluation's rows sample with its own settings
+            at = [i for i, r in enumerate(rows) if r.sampling == s]
+            ids[at], logps[at] = (x.cpu() for x in sample(logits[at], u[at], **self.sampling | dict(s)))
         self.tokens_generated += len(rows)
         for r, t, lp in zip(rows, ids.tolist(), logps.tolist()):
             r.ids.append(t)
@@ -239,8 +244,9 @@ class TorchEngine:
 class Policy:
     """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`. One per episode: it keeps
     what the engine was given and returned, to check the episode against (token identity)."""
-    def __init__(self, engine, tokenizer, episode=None):
+    def __init__(self, engine, tokenizer, episode=None, sampling=None):
         self.engine, self.tokenizer, self.calls, self.closed = engine, tokenizer, [], False
+        self.sampling = sampling or {}  # an evaluation's temperature, top_p, max_new_tokens; {}: the run's
         self.keys = None if episode is None else zip(itertools.repeat(episode), itertools.count())  # (episode, call)
 
     async def generate(self, ids, max_new_tokens=None, images=None):
@@ -249,7 +255,9 @@ class Policy:
             raise RuntimeError("this episode has timed out; its policy is closed")
         images = check_images(ids, images, getattr(self.engine, "c", None))  # bad input fails here, in the agent
         kw = ({} if images is None else {"images": images}) | ({} if self.keys is None else {"key": next(self.keys)})
-        c = await self.engine.generate(ids, max_new_tokens, **kw)
+        sampling = dict(self.sampling)
+        max_new_tokens = max_new_tokens or sampling.pop("max_new_tokens", None)
+        c = await self.engine.generate(ids, max_new_tokens, **kw, **({"sampling": sampling} if sampling else {}))
         self.calls.append((list(ids), c, images))
         return c
 
@@ -426,7 +434,7 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
             model.lm_head.weight = model.model.embed_tokens.weight
         engine = TorchEngine(model, slots=cfg.engine_slots, source=link.weights if copy else None, **sampling)
     tasks = [asyncio.create_task(engine.run()), asyncio.create_task(
-        produce(cfg, engine, tok, link.out_q, link.dropped, start_index, model_cfg.vocab_size, state))]
+        produce(cfg, engine, tok, link.out_q, link.dropped, start_index, model_cfg.vocab_size, state, link.evals))]
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for t in tasks:
         t.cancel()
@@ -434,24 +442,68 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
         t.result()
 
 
-async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, state=None):
+KNOBS = ("seed", "group_size", "guess_max", "max_turns", "tool_timeout", "tool_memory_mb", "sandbox_unsafe",
+         "image_size", "patch_size", "task_file", "arith_prompt")  # the config fields make_task reads
+
+
+def eval_tasks(cfg):
+    """The held-out tasks, eval_samples per prompt, at indices -1, -2, ... (the trainer refuses any). make_task seeds
+    group g with seed * 1_000_003 + g; prompt p is group 2**40 + p, which training (groups 0, 1, ...) never reaches
+    (negative groups would: Random(-n) is Random(n)). A task of few prompts (guess: 5 secrets) repeats some anyway."""
+    K, knobs = cfg.eval_samples, {k: getattr(cfg, k) for k in KNOBS} | dict(group_size=1, task_file=cfg.eval_file)
+    return [agent_mod.make_task(cfg.eval_task or cfg.task, 2**40 + j // K, **knobs) | {"index": -1 - j,
+            "group": -1 - j // K} for j in range(cfg.eval_prompts * K)]
+
+
+async def evaluate(cfg, one, tokenizer, version, out):
+    """Weights `version` on eval_tasks, beside training's agents but outside its window and queue: the episodes to
+    <out_dir>/eval/step_<version>.jsonl, the eval/ metrics to `out`. A failed episode is counted and scores 0."""
+    t0, tasks, P, K = time.perf_counter(), eval_tasks(cfg), cfg.eval_prompts, cfg.eval_samples
+    sampling = dict(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
+                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens)
+    run = agent_mod.load_agent(cfg.eval_task or cfg.task)
+    done = await asyncio.gather(*(one(t, t["index"], run, sampling) for t in tasks), return_exceptions=True)
+    if err := next((e for e in done if isinstance(e, ServerError)), None):
+        raise err
+    eps = {t["index"]: ms for t, ms in zip(tasks, done) if not isinstance(ms, BaseException)}  # segments of each
+    if stale := [i for i, ms in eps.items() for m in ms if (m["versions"][m["loss_mask"] == 1] != version).any()]:
+        raise AssertionError(f"evaluation of version {version}: episodes {stale} hold tokens other weights sampled")
+    rewards = torch.tensor([eps[t["index"]][0]["reward"] if t["index"] in eps else 0.0 for t in tasks]).view(P, K)
+    os.makedirs(os.path.join(cfg.out_dir, "eval"), exist_ok=True)
+    with open(os.path.join(cfg.out_dir, "eval", f"step_{version}.jsonl"), "w") as f:
+        for t, ms in zip(tasks, done):
+            for row in [{"error": repr(ms)}] if isinstance(ms, BaseException) else [dict(
+                    reward=m["reward"], info=m["info"], text=tokenizer.decode(m["ids"].tolist())) for m in ms]:
+                f.write(json.dumps({"step": version, "index": t["index"], "prompt": -1 - t["group"]} | row) + "\n")
+    passed, n = rewards >= cfg.eval_pass_reward, max(len(eps), 1)  # (P, K)
+    out.put({"eval/reward_mean": sum(ms[0]["reward"] for ms in eps.values()) / n,  # over the episodes that ended
+             "eval/pass@1": est.pass_at_k(passed=passed, k=1).mean().item(),
+             f"eval/pass@{K}": est.pass_at_k(passed=passed, k=K).mean().item(),
+             f"eval/mean@{K}": rewards.mean().item(),  # over all P * K, a failed episode's 0 too
+             "eval/response_tokens": sum(int(m["loss_mask"].sum()) for ms in eps.values() for m in ms) / n,
+             "eval/failed": len(tasks) - len(eps), "eval/episodes": len(tasks), "eval/time": time.perf_counter() - t0,
+             "eval/truncated": sum(any(m["info"].get("truncated") for m in ms) for ms in eps.values())})
+
+
+async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, state=None, evals=None):
     """Run agents and queue each group whole, once all its episodes ended (its advantages compare the whole
     group). Staleness bound: a group starts only while fewer groups are live (started, not all failed) than
     (version + 1 + max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL.
     state: a checkpoint's COUNTS (deterministic: and index, base). deterministic: once all admitted have ended,
-    {"idle": (version, dropped), "state"} follows the groups in the queue (for Rollout.settle)."""
+    {"idle": (version, dropped), "state"} follows the groups in the queue (for Rollout.settle). evals: (the version
+    the trainer asked to evaluate, a queue for its metrics): see evaluate; eval_only: no training agents."""
     run, G, P, S = agent_mod.load_agent(cfg.task), cfg.group_size, cfg.prompts_per_step, cfg.max_staleness
     first = -(-start_index // G)  # resume at the first group not yet started (whole groups only)
     # base: the window's origin in groups, one later for each group that failed whole
     counts = {"index": first * G, "base": first - engine.version * P} | dict.fromkeys(COUNTS, 0) | (state or {})
     index, base, in_a_row, running, groups, idle = counts.pop("index"), counts.pop("base"), 0, {}, {}, None
+    asked, evaluation = -1, None
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
-    knobs = {k: getattr(cfg, k) for k in ("seed group_size guess_max max_turns tool_timeout tool_memory_mb "
-                                          "sandbox_unsafe image_size patch_size task_file arith_prompt").split()}
+    knobs = {k: getattr(cfg, k) for k in KNOBS}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
 
-    async def one(task, index):
-        llm = Policy(engine, tokenizer, index)
+    async def one(task, index, run=run, sampling=None):
+        llm = Policy(engine, tokenizer, index, sampling)
         endpoint.attach(server, llm)  # llm.base_url, llm.api_key, llm.model for chat agents
         agent_task = asyncio.ensure_future(run(task, llm))
         if not (await asyncio.wait([agent_task], timeout=cfg.episode_timeout))[0]:
@@ -478,7 +530,13 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     while True:
         published = engine.shared_version.value if engine.shared_version is not None else engine.version
         drops = dropped.value
-        while len(running) < cfg.concurrent_agents and index // G < base + drops + (published + 1 + S) * P:
+        if evals is not None and evals[0].value > asked:  # the trainer asks for an evaluation of its latest version
+            asked = evals[0].value
+            evaluation = asyncio.ensure_future(evaluate(cfg, one, tokenizer, asked, evals[1]))
+        if evaluation is not None and evaluation.done():
+            evaluation = evaluation.result()  # None, or its error (a server's, a version's) ends the rollout
+        while not cfg.eval_only and len(running) < cfg.concurrent_agents and \
+                index // G < base + drops + (published + 1 + S) * P:
             running[asyncio.create_task(one(agent_mod.make_task(cfg.task, index, **knobs), index))] = index
             index += 1
         if cfg.deterministic and not running and idle != (published, drops):  # a state to resume from
@@ -534,20 +592,22 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
             procs, servers = [(proc, log)], [(url, log)]
     link = types.SimpleNamespace(weights=shared, version=ctx.Value("l", start_version), lock=ctx.Lock(),
                                  out_q=ctx.Queue(maxsize=cfg.queue_size), dropped=ctx.Value("l", dropped),
-                                 servers=servers)
+                                 servers=servers, evals=(ctx.Value("l", -1), ctx.Queue()))
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
                        args=(cfg, model_cfg, link, start_index, tokenizer_dir, state))
     proc.start()
     return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write,
-                   cfg.deterministic)
+                   cfg.deterministic, link.evals)
 
 
 class Rollout:
     """The trainer's handle on the rollout process (and on the inference servers it started)."""
-    def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None, deterministic=False):
+    def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None, deterministic=False,
+                 evals=None):
         self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
         self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
         self.held, self.idle, self.deterministic = deque(), None, deterministic  # held: settled groups, untrained
+        self.evals = evals  # (the version to evaluate, the queue its metrics come back on)
 
     def get(self, timeout=1.0, stop=lambda: None):
         """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
@@ -570,9 +630,19 @@ class Rollout:
         self.held = deque(sorted(self.held, key=lambda item: item["msgs"][0]["index"]))
         return self.idle["state"]
 
-    def _next(self, timeout):
+    def evaluate(self, version):
+        """Ask the rollout process to evaluate weights `version`, the ones just published (see evaluate)."""
+        self.evals[0].value = version
+
+    def eval_result(self):
+        """-> the eval/ metrics asked for last; waits (the next publish must not come before they are sampled)."""
+        while (m := self._next(1.0, self.evals[1])) is None:
+            pass
+        return m
+
+    def _next(self, timeout, q=None):
         try:
-            return self.q.get(timeout=timeout)
+            return (self.q if q is None else q).get(timeout=timeout)
         except (OSError, EOFError) as e:  # the sender died while the item's tensors were being handed over
             raise RuntimeError(f"rollout process died while sending episodes ({e!r})") from e
         except queue_mod.Empty:
@@ -722,12 +792,14 @@ class ServerEngine:
         self.calls, self.in_flight, self.t_busy, self.tokens_generated, self.busy_s = itertools.count(), 0, 0.0, 0, 0.0
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
-    async def generate(self, ids, max_new_tokens=None, key=None) -> Completion:
+    async def generate(self, ids, max_new_tokens=None, key=None, sampling=None) -> Completion:
         max_new = check_prompt(ids, self.vocab_size, self.max_len, max_new_tokens or self.max_new)
+        while self.shared_version is not None and self.shared_version.value != self.version:  # none on weights
+            await asyncio.sleep(0.01)  # older than the published ones (an evaluation's are exactly its version's)
         await self.open.wait()  # closed while the servers change weights
         version, i = self.version, next(self.calls)
-        seed = int(uniform([[self.seed, *(key or (-1, i))]])[0] * 2**31)  # per request, as the torch
-        p = dict(self.params, max_new_tokens=max_new, seed=seed)  # engine's draws (the servers' sampling_seed, seed)
+        seed = int(uniform([[self.seed, *(key or (-1, i))]])[0] * 2**31)  # per request, as the torch engine's
+        p = dict(self.params, max_new_tokens=max_new, seed=seed) | (sampling or {})  # draws (sampling_seed, seed)
         self._count(+1)
         try:
             out, logprobs, experts = await self._submit(i % len(self.urls), [*ids], p)
@@ -854,6 +926,7 @@ def start_server(kind, model_dir, cfg, log, moe=False):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv, env = SERVERS[kind]["command"](model_dir, port, cfg, moe)
+    print(f"starting the {kind} server (log: {log}; server_timeout={cfg.server_timeout:.0f}s)", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
     with open(log, "ab") as f:
         proc = subprocess.Popen([cfg.server_python or sys.executable, *argv, *shlex.split(cfg.server_args)],

@@ -15,6 +15,8 @@ Algorithm, per optimizer step v (weights version v -> v+1):
 Launch:
   python train.py --config configs/guess.py                                    # one process
   torchrun --standalone --nproc_per_node=2 train.py --config configs/guess.py  # FSDP2 over 2 ranks"""
+import datetime
+import functools
 import json
 import math
 import os
@@ -374,12 +376,12 @@ def load_trainer_state(saved, model, opt, fsdp):
     return state | {"counters": counters | state.get("counters", {}) | (state.get("resume") or {}).get("counters", {})}
 
 
-RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights", "rollouts")
+RUN_FILES = ("metrics.jsonl", "episodes.jsonl", "ckpt", "ckpt.old", "tiny-init", "engine_weights", "rollouts", "eval")
 
 
 def check_out_dir(cfg):
     """A new run never destroys an earlier one's files: resume it, or say to overwrite it (rank 0 deletes them)."""
-    if cfg.resume or not any(os.path.exists(os.path.join(cfg.out_dir, f)) for f in RUN_FILES[:4]):
+    if cfg.resume or cfg.eval_only or not any(os.path.exists(os.path.join(cfg.out_dir, f)) for f in RUN_FILES[:4]):
         return
     if not cfg.overwrite:
         raise ValueError(f"{cfg.out_dir} holds an earlier run (metrics.jsonl or ckpt): continue it with --resume, "
@@ -390,15 +392,44 @@ def check_out_dir(cfg):
 # ---- logging: metrics.jsonl, one console line, episodes dumped for reading ----
 
 
-def log_step(cfg, m):
-    """A step's metrics: one line of metrics.jsonl (read it with plot.py, pandas or any logger) and one console line."""
-    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(m) + "\n")
-    mm = m["mismatch/logprob_abs_diff"]
-    print(f"step {m['step']:4d} | reward {m['reward/mean']:.3f} | loss {m['loss/policy']:+.4f} | "
-          f"stale {m['staleness/mean']:.2f}/{m['staleness/max']} | mismatch {'-' if mm is None else f'{mm:.1e}'} "
-          f"| {m['time/step']:.2f}s (wait {m['time/wait_rollout']:.2f}s) | "
-          f"tok/s {m['throughput/rollout_tokens_per_s']:.0f}", flush=True)
+class Logger:
+    """Each metrics line to <out_dir>/metrics.jsonl (eval_only: eval/metrics.jsonl; read it with plot.py, pandas or any
+    logger) and, with wandb_project, to a W&B run (wandb imported only then): the config once, a resumed run continuing
+    its id (the checkpoints carry it). One console line each: where the run is, its reward, evaluation, speed, ETA."""
+    def __init__(self, cfg, step, state):
+        self.cfg, self.start, self.t0, self.wandb = cfg, step, time.perf_counter(), None
+        self.path = os.path.join(cfg.out_dir, "eval" * cfg.eval_only, "metrics.jsonl")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
+        open(self.path, "w").writelines(x for x in lines if cfg.eval_only or json.loads(x)["step"] <= step)
+        with open(os.path.join(os.path.dirname(self.path), "config.json"), "w") as f:
+            json.dump(config.to_dict(cfg), f, indent=2)
+        if cfg.wandb_project:
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
+                                    resume="allow", config=config.to_dict(cfg), dir=cfg.out_dir)
+            state["wandb_id"] = self.wandb.id
+
+    def log(self, m):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(m, step=m["step"])
+        t, k, mm = time.perf_counter() - self.t0, self.cfg.eval_samples, m.get("mismatch/logprob_abs_diff")
+        rate, hms = (m["step"] - self.start) / t, lambda s: str(datetime.timedelta(seconds=round(s)))
+        parts = [f"step {m['step']:4d}/{self.cfg.max_steps}"] + ([  # (an evaluation's own line has no reward)
+            f"reward {m['reward/mean']:.3f}", f"loss {m['loss/policy']:+.4f}", f"stale {m['staleness/mean']:.2f}/"
+            f"{m['staleness/max']}", f"mismatch {'-' if mm is None else f'{mm:.1e}'}", f"{m['time/step']:.2f}s (wait "
+            f"{m['time/wait_rollout']:.2f}s)"] if "reward/mean" in m else []) + ([
+            f"eval pass@1 {m['eval/pass@1']:.3f} pass@{k} {m[f'eval/pass@{k}']:.3f}"] if "eval/pass@1" in m else [])
+        eta = hms((self.cfg.max_steps - m["step"]) / rate) if rate > 0 else "?"
+        print(" | ".join(parts + [f"{rate:.2f} steps/s, {hms(t)} elapsed, ETA {eta}"]), flush=True)
+
+
+def log_held(logger, ro, held, wait=True):
+    """The line held back for its evaluation, logged with its eval/ metrics (wait=False: without, the rollout died)."""
+    if held is not None:
+        logger.log(held | (ro.eval_result() if wait else {}))
 
 
 def dump_episodes(cfg, step, msgs, tokenizer, n=4):
@@ -430,6 +461,8 @@ def take_batch(cfg, ro, version, counters):
         group = ro.get(stop=lambda: STOP["signal"])  # None: nothing for a second, or a signal ended a settle
         if group is None:
             continue
+        if group[0]["index"] < 0:  # evaluation episodes (negative indices) never leave the rollout process
+            raise AssertionError(f"evaluation episode {group[0]['index']} reached the trainer")
         fresh = [m for m in group if version - m["versions"][m["loss_mask"] == 1].min().item() <= cfg.max_staleness]
         counters["dropped_stale"] += len(group) - len(fresh)
         same = cfg.filter_groups and len({m["reward"] for m in fresh}) == 1  # DAPO's dynamic sampling: no signal
@@ -452,54 +485,58 @@ def main(argv=None):
     cfg = config.load(argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name, at=time.monotonic()))
-    if cfg.task_file:
-        agent.load_task_file(cfg.task_file)  # a malformed line stops the run here, naming file and line
+    for path in filter(None, (cfg.task_file, cfg.eval_file)):
+        agent.load_task_file(path)  # a malformed line stops the run here, naming file and line
     check_out_dir(cfg)  # on every rank, before anything is written
     rank, world, device, fsdp = compute_init(cfg)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)) if device.type == "cpu" else 8)
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed + rank)
+    say = functools.partial(print, flush=True) if rank == 0 else lambda *a: None  # every long wait says what it is
     # ---- the policy (from the latest checkpoint when resuming), the frozen reference and teacher ----
     init = tiny_init(cfg, rank, fsdp) if cfg.model == "tiny" else cfg.model
     if init.endswith(".gguf"):  # dequantized once into <file>.hf, which also holds the tokenizer
         init = convert_gguf(init) if rank == 0 else init + ".hf"
         if fsdp:
             dist.barrier()
-    ckpt = latest_checkpoint(cfg) if cfg.resume else None
+    ckpt = latest_checkpoint(cfg) if cfg.resume or cfg.eval_only else None
     if cfg.resume and not ckpt:  # never a restart at step 0 that truncates the metrics of the run asked for
         raise ValueError(f"--resume: no checkpoint in {cfg.out_dir} (ckpt/ or ckpt.old/ with trainer.pt)")
     if ckpt:
         same_architecture(ckpt, init)
     tokenizer_dir = ckpt or init  # the weights' own tokenizer
     saved = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if ckpt else None
+    say(f"loading the policy from {tokenizer_dir} ({world} rank(s), {device})")
     # LoRA: the initial model as the base, the checkpoint's adapters (its merged weights are for engines, transformers)
     model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir,
                         adapters=(saved or {}).get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                            weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-    state = load_trainer_state(saved, model, opt, fsdp)  # what the checkpoints carry on, counters included
-    step, counters = state["step"], state["counters"]
+    opt = None if cfg.eval_only else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                                       weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    state = load_trainer_state(None if cfg.eval_only else saved, model, opt, fsdp)  # what the checkpoints carry on
+    step, counters = (saved or state)["step"], state["counters"]  # eval_only: the checkpoint's step, no optimizer
     weights = full_state(model, fsdp)
     changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes
-    ro = tokenizer = None
+    ro = tokenizer = logger = held = None  # held: the line of a step being evaluated, logged before the next publish
     if rank == 0:
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        lines = open(path).readlines()[:step] if os.path.exists(path) else []
-        open(path, "w").writelines(lines)  # on resume keep exactly the steps the checkpoint has
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump(config.to_dict(cfg), f, indent=2)
+        tokenizer, logger = AutoTokenizer.from_pretrained(tokenizer_dir), Logger(cfg, step, state)
         if not cfg.replay:
+            say(f"starting the rollout process ({cfg.engine} engine)")
             resume = state.get("resume") or {}  # deterministic: the settled groups, the admission state
             ro = rollout.start_rollout(cfg, model.config, weights, step, state["data_position"], tokenizer_dir,
                                        resume.get("rollout", state["rollout_counts"]), resume.get("dropped", 0))
             ro.held.extend(resume.get("held", []))
+        if cfg.eval_only or cfg.eval_at_start and step == 0:
+            ro.evaluate(step)
+            held = {"step": step, "policy_version": step}
+            say(f"evaluating step {step} on {cfg.eval_prompts} x {cfg.eval_samples} held-out episodes")
+        if not cfg.eval_only:
+            say(f"waiting for the first batch ({cfg.batch_size} episodes of {cfg.task})")
     last_generated, last_t = 0, time.perf_counter()
     try:
-        while step < cfg.max_steps:
+        while step < cfg.max_steps and not cfg.eval_only:
             t_step = time.perf_counter()
             # ---- 1. a batch from the rollout queue ----
             shares, msgs, wait, stop = [None] * world, None, 0.0, STOP["signal"]
@@ -518,6 +555,7 @@ def main(argv=None):
                 dist.scatter_object_list(out, [(stop, share) for share in shares] if rank == 0 else None, src=0)
             stop, share = out[0]
             if stop is not None:
+                held = log_held(logger, ro, held, not stop.startswith("error"))
                 save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp)
                 if stop.startswith("error"):
                     raise RuntimeError(f"{stop}; checkpoint of step {step} written to {cfg.out_dir}/ckpt")
@@ -541,7 +579,10 @@ def main(argv=None):
                     print(f"{STOP['signal']}: episodes still running after stop_grace: the resume will not be exact")
                 state["resume"] = settled and {"rollout": settled, "held": list(ro.held), "dropped": ro.dropped.value,
                                                "counters": dict(counters)}  # live: a resume counts again
+            t_eval = time.perf_counter()
+            held = log_held(logger, ro, held)  # the last version's evaluation ends before its weights do
             t_sync = time.perf_counter()
+            t_eval = t_sync - t_eval
             weights = full_state(model, fsdp, changed)
             if ro is not None:
                 ro.publish(weights, step)
@@ -551,14 +592,22 @@ def main(argv=None):
                 state["rollout_counts"] = {k: stats[k] for k in rollout.COUNTS}
                 state["data_position"] = max(state["data_position"], max(m["index"] for m in msgs) + 1)
                 now, generated = time.perf_counter(), stats["tokens_generated"]
-                times = dict(step=now - t_step, wait_rollout=wait, handout=t_hand, train=t_train, weight_sync=t_sync)
-                log_step(cfg, step_metrics(step, msgs, sums, stale_max, hist, norms, times, counters, stats,
-                                           (generated - last_generated) / max(now - last_t, 1e-9)))
+                times = dict(step=now - t_step, wait_rollout=wait, handout=t_hand, train=t_train, weight_sync=t_sync,
+                             wait_eval=t_eval)
+                m = step_metrics(step, msgs, sums, stale_max, hist, norms, times, counters, stats,
+                                 (generated - last_generated) / max(now - last_t, 1e-9))
+                if cfg.eval_every and step % cfg.eval_every == 0:  # its line waits for its evaluation (log_held)
+                    ro.evaluate(step)
+                    held = m
+                else:
+                    logger.log(m)
                 last_generated, last_t = generated, now
                 if cfg.dump_every and step % cfg.dump_every == 0:
                     dump_episodes(cfg, step, msgs, tokenizer)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps:
+                held = log_held(logger, ro, held)  # the metrics lines of the checkpoint's steps are all written
                 save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp)
+        log_held(logger, ro, held)  # eval_only's
     finally:
         if ro is not None:
             ro.close()

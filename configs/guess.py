@@ -13,3 +13,5 @@ max_staleness = 1
 lr = 5e-4
 adam_eps = 1e-6  # with 1e-8 most runs collapsed to a near-uniform policy (README, "Stability of the tiny MoE")
 router_aux_coef = 0.01  # without it two experts per layer took ~90% of the tokens
+eval_every = 10  # held-out prompts (README, "Evaluation"): 16 x 4 episodes, a batch's worth, every 10 steps
+eval_prompts = 16

@@ -226,3 +226,20 @@ def test_micro_batches_sum_to_full_batch_gradient(agg):
         return torch.autograd.grad(E.AGGREGATIONS[agg](per_token=loss, loss_mask=mask[rows], **step), logp)[0]
 
     torch.testing.assert_close(grad(slice(0, 2)) + grad(slice(2, 4)), grad(slice(0, 4)))
+
+
+# ---- evaluation ----
+@pytest.mark.parametrize("n,k", [(1, 1), (4, 1), (4, 2), (4, 4), (7, 3), (10, 5)])
+def test_pass_at_k_is_the_fraction_of_k_subsets_that_hold_a_pass(n, k):
+    """Chen et al.'s estimator against brute force: over every k-subset of the n samples, does one pass?"""
+    import itertools
+    g = torch.Generator().manual_seed(n * 10 + k)
+    passed = torch.rand(6, n, generator=g) < torch.rand(6, 1, generator=g)  # (P, n), some rows all-fail or all-pass
+    passed[0], passed[1] = False, True
+    brute = [statistics.mean(any(row[i] for i in s) for s in itertools.combinations(range(n), k))
+             for row in passed.tolist()]
+    got = E.pass_at_k(passed=passed, k=k)
+    assert got.shape == (6,) and torch.allclose(got, t(brute), atol=1e-12)
+    assert got[0] == 0 and got[1] == 1
+    if k == 1:  # pass@1 is the fraction of samples that pass
+        assert torch.allclose(got, passed.double().mean(-1))
