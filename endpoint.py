@@ -17,11 +17,13 @@ from aiohttp import web
 import agent as agent_mod
 
 TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.S)  # the Qwen / Hermes format
+# the engine has no penalties, seed, logprobs, n > 1: a request may set them only to values that change nothing
+FIXED = {"n": 1, "best_of": 1, "stream": False, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
+         "logit_bias": {}, "logprobs": False, "top_logprobs": 0, "seed": None}
 
 
 async def serve(tokenizer, sampling: dict, stop_ids, model: str = "policy") -> dict:
-    """Start the server on a free port of 127.0.0.1 in the running loop; sampling: the run's (no request changes it);
-    stop_ids: the engine's (eos ids and the chat template's end of turn: a base checkpoint's eos is often another)."""
+    """Serve on a free port of 127.0.0.1 in the running loop; sampling (no request changes it), stop_ids: the run's."""
     server = {"tok": tokenizer, "sampling": sampling, "model": model, "stop": set(stop_ids),
               "episodes": weakref.WeakValueDictionary()}  # an episode's llm; it goes when the rollout drops it
     app = web.Application(client_max_size=64 << 20)
@@ -35,10 +37,9 @@ async def serve(tokenizer, sampling: dict, stop_ids, model: str = "policy") -> d
 
 
 def attach(server: dict, llm):
-    """Give an episode's llm (a rollout.Policy) its base URL, key and an empty record; -> llm. Both unguessable: any
-    local process (another episode's tool code too) can reach the port, and what it got sampled would be trained."""
+    """Give an episode's llm (a rollout.Policy) its base URL, API key and an empty record; -> llm."""
     eid, llm.api_key, llm.model = secrets.token_urlsafe(16), secrets.token_urlsafe(32), server["model"]
-    server["episodes"][eid] = llm
+    server["episodes"][eid] = llm  # both unguessable: any local process (tool code too) can reach the port
     llm.base_url = f"http://127.0.0.1:{server['port']}/ep/{eid}/v1"
     llm.segs, llm.lock, llm.counts = [], asyncio.Lock(), {"tool_calls": 0, "malformed_tool_calls": 0}
     return llm
@@ -46,14 +47,13 @@ def attach(server: dict, llm):
 
 def segments(llm, result) -> list:
     """After a chat agent returned `result` (a reward, or {"reward": r, "info": {...}}): its episodes, one per
-    segment with sampled tokens, each as (Episode, its engine calls) for rollout.check_tokens. The info's own
-    tool_calls count wins over the endpoint's; segments and truncated are the rollout's (a ValueError)."""
+    segment with sampled tokens, each as (Episode, its engine calls) for rollout.check_tokens."""
     reward, info = (result.get("reward"), result.get("info", {})) if isinstance(result, dict) else (result, {})
     if not isinstance(reward, (int, float)):
         raise TypeError(f"a chat agent returns a float or a dict with 'reward', got {type(result).__name__}")
     if not llm.segs:  # a segment starts with a call the engine answered
         raise ValueError("the chat agent made no call to the endpoint")
-    if {"segments", "truncated"} & set(info):
+    if {"segments", "truncated"} & set(info):  # the rollout's (its own tool_calls wins over the endpoint's count)
         raise ValueError(f"the chat agent's info sets {sorted({'segments', 'truncated'} & set(info))}: the rollout's")
     for s in llm.segs:
         s["ep"].reward, s["ep"].info = float(reward), dict(llm.counts, **info, segments=len(llm.segs))
@@ -64,22 +64,15 @@ async def _handle(server, fn, request):
     try:
         llm = server["episodes"].get(request.match_info["ep"])
         if llm is None:
-            raise _error(f"unknown episode {request.match_info['ep']!r} (finished, or never started)",
-                         None, "episode_not_found", web.HTTPNotFound)
+            raise _error("unknown episode (ended, or never started)", code="episode_not_found", http=web.HTTPNotFound)
         if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {llm.api_key}".encode()):
-            raise _error("no or a wrong API key: each episode has its own, llm.api_key", None, "invalid_api_key",
-                         web.HTTPUnauthorized)
+            raise _error("wrong or no API key (llm.api_key)", code="invalid_api_key", http=web.HTTPUnauthorized)
         if request.content_type != "application/json":
-            raise _error(f"Content-Type must be application/json, not {request.content_type}", None,
-                         "unsupported_media_type", web.HTTPUnsupportedMediaType)
+            raise _error(f"Content-Type must be JSON, not {request.content_type}", http=web.HTTPUnsupportedMediaType)
         body = await request.json()  # not JSON: a ValueError, a 400 below
         if not isinstance(body, dict):
             raise _error("the body must be a JSON object")
-        # refused: knobs that would change the distribution the trainer assumes, or that the engine has not (penalties,
-        # a seed, logprobs); the record holds one answer. Values that change nothing pass: some clients send them.
-        for k, v in [*server["sampling"].items(), ("n", 1), ("best_of", 1), ("stream", False), ("echo", False),
-                     ("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1), ("min_p", 0),
-                     ("logit_bias", {}), ("seed", None), ("logprobs", False), ("top_logprobs", 0)]:
+        for k, v in (server["sampling"] | FIXED).items():  # the run's sampling: the distribution the trainer assumes
             if body.get(k) is not None and body[k] != v:
                 raise _error(f"{k}={body[k]!r} is not supported: the run samples with {k}={v!r}", k)
         async with llm.lock:  # one call of an episode at a time: each extends the record it was matched to
@@ -113,17 +106,15 @@ async def _sample(server, llm, body, text, ids=None):
     if ids is None:
         ids = (seg["ids"] if seg else []) + tok.encode(text[len(seg["text"]) if seg else 0:], add_special_tokens=False)
     c = await llm.generate(ids, max_new)
-    decode = functools.partial(tok.decode, skip_special_tokens=False)
-    sampled = decode(c.ids)
+    sampled = tok.decode(c.ids)
     cut = min((sampled.index(s) for s in stop if s in sampled), default=None)
     if cut is not None:  # a stop string ends the turn: the tokens after the one that completes it were never shown
         end, k, n, piece = min(sampled.index(s) + len(s) for s in stop if s in sampled), 0, 0, ""
-        # n: the length of ids[:k]'s text, grown by what token k adds to the 3 before it (a character or a space can
-        # span tokens). Linear: decoding each prefix was quadratic (10k tokens, 8 s on the rollout's loop)
-        while k < len(c.ids) and (n < end or piece.endswith("\ufffd")):  # ... or in the middle of a character
+        # n: ids[:k]'s text length, grown by what token k adds to the 3 before it (a character, a space can span tokens)
+        while k < len(c.ids) and (n < end or piece.endswith("\ufffd")):  # linear: decoding every prefix was quadratic
             k += 1
-            piece = decode(c.ids[max(k - 4, 0):k])
-            n += len(piece) - len(decode(c.ids[max(k - 4, 0):k - 1]))
+            piece = tok.decode(c.ids[max(k - 4, 0):k])
+            n += len(piece) - len(tok.decode(c.ids[max(k - 4, 0):k - 1]))
         c.ids[k:], c.logprobs[k:], c.versions[k:] = [], [], []  # in place: llm.calls holds this record
         c.routing = None if c.routing is None else c.routing[:len(ids) + k]
     if seg is None:
@@ -131,7 +122,7 @@ async def _sample(server, llm, body, text, ids=None):
     seg["ep"].append(ids[len(seg["ids"]):])  # seg["ids"] is seg["ep"].ids: Episode appends in place
     seg["ep"].append_completion(c)
     seg["calls"].append(llm.calls[-1])
-    seg["text"] = (text or decode(ids)) + sampled[:cut]
+    seg["text"] = (text or tok.decode(ids)) + sampled[:cut]
     finish = "stop" if cut is not None or (c.ids and c.ids[-1] in server["stop"]) else "length"
     usage = dict(prompt_tokens=len(ids), completion_tokens=len(c.ids), total_tokens=len(ids) + len(c.ids))
     return sampled[:cut], finish, usage, c.ids

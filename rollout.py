@@ -702,10 +702,10 @@ class ServerEngine:
         c, self.api, self.urls, self.logs = model_config, SERVERS[kind], list(urls), list(logs or [None] * len(urls))
         self.top_k = c.num_experts_per_tok
         self.moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
-        self.stop_ids = set(stop_ids)
-        self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=sorted(self.stop_ids),
+        self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=list(stop_ids),
                            experts=bool(self.moe_layers))
         self.max_new, self.max_len, self.seed, self.timeout = max_new_tokens, max_len, seed, timeout
+        self.stop_ids = set(stop_ids)  # the endpoint's too: a reply that ends with one is "stop"
         self.weights_dir, self.shared_version, self.lock, self.sync = weights_dir, version, lock, sync
         self.hf = None  # in-memory sync (sglang): the shared tensors under the servers' names (views), as written
         if weights is not None and sync != "disk":  # by write_weights: lm_head its own tensor

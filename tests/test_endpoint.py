@@ -101,7 +101,8 @@ def test_refused_parameters_and_bad_requests_are_openai_errors(tok):
         for name, kw in [("temperature", dict(temperature=0.5)), ("top_p", dict(top_p=0.9)),
                          ("top_k", dict(extra_body={"top_k": 5})), ("messages", dict(messages=[{"content": "x"}])),
                          ("long", dict(messages=[{"role": "user", "content": "7" * 600}])), ("n", dict(n=2)),
-                         ("presence_penalty", dict(presence_penalty=0.5)), ("frequency_penalty", dict(frequency_penalty=1)),
+                         ("presence_penalty", dict(presence_penalty=0.5)),
+                         ("frequency_penalty", dict(frequency_penalty=1)),
                          ("logit_bias", dict(logit_bias={"5": 10})), ("seed", dict(seed=7)),
                          ("logprobs", dict(logprobs=True)), ("top_logprobs", dict(logprobs=False, top_logprobs=2))]:
             with pytest.raises(openai.BadRequestError) as e:
