@@ -214,7 +214,7 @@ def bench_endpoint():
 
     async def episodes(fn, new):  # n at once; no stop token: every turn samples `new` tokens
         engine = rollout.TorchEngine(model, slots=n, max_len=320, max_new_tokens=new)
-        server, loop = await endpoint.serve(tok, {}), asyncio.create_task(engine.run())  # {}: no sampling is sent
+        server, loop = await endpoint.serve(tok, {}, engine.stop_ids), asyncio.create_task(engine.run())  # {}: none
         await asyncio.gather(*(fn(endpoint.attach(server, rollout.Policy(engine, tok))) for _ in range(n)))
         loop.cancel()
         await server["runner"].cleanup()

