@@ -1,9 +1,8 @@
 """python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each as
-measured, baseline and ratio. trainer: CPU 0, one thread; the others all cores (scale, memory, flops: commit 8482101;
-moe, publish: d207298). On a shared machine one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py X"""
+measured, baseline and ratio, on all cores (scale, memory, flops: commit 8482101; moe, publish: d207298; trainer:
+290f213). On a shared machine one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py X"""
 import argparse
 import asyncio
-import collections
 import itertools
 import json
 import os
@@ -11,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import timeit
-from statistics import mean, median as med, stdev, variance
+from statistics import mean, median as med, stdev
 
 USER_ENV = dict(os.environ)  # train.py and TRL run in the caller's environment, as their users run them
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning waiters fight for cores (~10x slower)
@@ -59,7 +58,7 @@ def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
 
 def bench_parity():
     """The baseline of async RL (max_staleness=1) is sync RL (0), in interleaved runs over seeds: steps/s against the
-    ideal overlap of generation and training; final rewards, compared by Welch's t-test."""
+    ideal overlap of generation and training; final rewards and their spread over seeds."""
     steps, warm, last, seeds = (20, 4, 5, 2) if args.quick else (100, 10, 25, 5)
     pairs = [[run_train([f"--max_steps={steps}", f"--max_staleness={s}", f"--seed={i}"]) for s in (1, 0)]
              for i in range(seeds)]  # per seed: the async run's metrics, the sync run's
@@ -75,15 +74,9 @@ def bench_parity():
     runs = [[mean(m["reward/mean"] for m in ms[-last:]) for ms in p] + [sum(m["time/step"] for m in ms) for ms in p]
             for p in pairs]  # per seed: async, sync final reward; async, sync wall (the loops', start-up excluded)
     fa, fs = list(zip(*runs))[:2]
-    va, vb = variance(fa) / seeds + 1e-12, variance(fs) / seeds + 1e-12  # squared standard errors, never 0
-    t = (mean(fa) - mean(fs)) / (va + vb) ** 0.5
-    df = (va + vb) ** 2 / (va ** 2 + vb ** 2) * (seeds - 1)  # Welch-Satterthwaite, two samples of `seeds`
-    x = torch.linspace(0, abs(t), 2001, dtype=torch.float64)
-    p = 1 - 2 * torch.trapezoid(torch.distributions.StudentT(df).log_prob(x).exp(), x).item()  # two-sided
     rows = [(name, f"{a:.3f}", f"{s:.3f}", f"{a - s:+.3f}", f"{wa:.0f} s", f"{ws:.0f} s", f"{wa / ws:.2f}")
             for name, (a, s, wa, ws) in [*zip(range(seeds), runs), ("mean", list(map(mean, zip(*runs))))]]
-    rows += [("sd", f"{stdev(fa):.3f}", f"{stdev(fs):.3f}", "target: mean within ±0.05"),
-             ("Welch t-test", f"t = {t:+.2f}", f"df = {df:.1f}", f"p = {max(0.0, p):.2f} (target > 0.05)")]
+    rows += [("sd", f"{stdev(fa):.3f}", f"{stdev(fs):.3f}", "target: mean within ±0.05")]
     table(f"learning parity: --max_steps={steps}, final reward = mean of the last {last} steps", ["seed",
           "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall", "ratio"], rows)
 
@@ -117,38 +110,6 @@ def bench_trl():
           f"step, {steps} steps, rates after step {warm}", ["", "steps/s", "episodes/s", "ratio to TRL", "reward, last "
           "50 steps"], [(k, f"{r:.2f}", f"{r * 64:.0f}", f"{r / rate['TRL']:.2f}x",
                          f"{mean(m['reward/mean'] for m in runs[k][-50:]):.3f}") for k, r in rate.items()])
-
-
-def bench_trainer():
-    """The baseline is the loop one writes first: on ready-made padded tensors, a policy-gradient step, no publish.
-    The batch: one the default recipe's rollout sampled (--model: the SmolLM2 recipe's, 2 x 8 episodes)."""
-    real = ["--config", "configs/smollm2_cpu.py", f"--model={args.model}", "--prompts_per_step=2"] * bool(args.model)
-    cfg = config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}", *real])  # the out_dir lives as long as we do
-    init = train.tiny_init(cfg, 0, False) if cfg.model == "tiny" else cfg.model
-    model, plain_model = (train.build_model(cfg, 0, torch.device("cpu"), False, init) for _ in "12")
-    ro = rollout.start_rollout(cfg, model.config, train.full_state(model, False), 0, 0, init)
-    msgs, rollout_mb = train.take_batch(cfg, ro, 0, collections.Counter())[0], peak_mb(ro.proc.pid)
-    ro.close()  # else it samples on, on our core; a lock it held when killed stays held: a new one
-    ro = rollout.Rollout(None, None, ro.shared, ro.version, torch.multiprocessing.Lock(), None)
-    adv = torch.randn(len(msgs))  # the time of a step is the same for any advantages (nothing is skipped at 0)
-    share = train.make_shares(msgs, adv.tolist(), 1, cfg)[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=cfg.lr)
-    b = train.collate(msgs, "cpu")
-    ids, mask, A, tokens = b["ids"], b["loss_mask"][:, 1:], adv[:, None], sum(len(m["ids"]) for m in msgs)
-
-    def plain():
-        plain_opt.zero_grad(set_to_none=True)
-        logp = torch.log_softmax(plain_model(ids)[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
-        (-(logp * A * mask).sum() / mask.sum()).backward()
-        plain_opt.step()
-    t = timed({"full": lambda: (train.train_step(model, opt, share, cfg, 0, 1), ro.publish(train.full_state(
-        model, False), 1)), "plain": plain}, 3 if args.quick or args.model else 10)
-    table(f"trainer overhead, {os.path.basename(args.model) or 'tiny MoE'}: {len(ids)} episodes, {tokens} tokens "
-          f"(plain loop: padded to {tuple(ids.shape)}); peak RSS {peak_mb():,.0f} MB here (trainer, plain loop), "
-          f"rollout process {rollout_mb:,.0f} MB", ["measure", "measured", "plain loop (baseline)", "ratio", "target"],
-          [("train_step + publish, tok/s", f"{tokens / t['full']:,.0f}", f"{tokens / t['plain']:,.0f}",
-            f"{t['plain'] / t['full']:.2f}", ">= 0.90")])
 
 
 def bench_engine():
@@ -227,20 +188,18 @@ def bench_endpoint():
 
 
 BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
-           "trainer": bench_trainer, "endpoint": bench_endpoint}
-if __name__ == "__main__":  # not in the rollout process that bench_trainer spawns
+           "endpoint": bench_endpoint}
+if __name__ == "__main__":  # not in a rollout process a section spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer tokens, steps, seeds and repeats")
     ap.add_argument("--threads", type=int, default=0, help="engine: torch.set_num_threads (0: all cores)")
     ap.add_argument("--before", default="8482101", help="fixed: the baseline commit")
     ap.add_argument("--trl_python", default="python", help="trl: the interpreter of a venv with trl installed")
-    ap.add_argument("--model", default="", help="engine, trainer, endpoint: a model dir or .gguf (default: tiny MoE)")
+    ap.add_argument("--model", default="", help="engine, endpoint: a model dir or .gguf (default: tiny MoE)")
     args = ap.parse_args()
     args.model = convert_gguf(args.model) if args.model.endswith(".gguf") else args.model  # once, beside it
     os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
     for name in [*list(BENCHES)[1:], "engine"] if args.section == "all" else [args.section]:
-        one_core = name == "trainer"  # the trainer's share of a 2-core machine
-        os.sched_setaffinity(0, {0} if one_core else range(os.cpu_count()))
-        torch.set_num_threads(1 if one_core else args.threads or os.cpu_count())
+        torch.set_num_threads(args.threads or os.cpu_count())
         BENCHES[name]()
