@@ -121,7 +121,7 @@ class Config:
             *((key, getattr(self, key) >= 1, "must be >= 1") for key in
               ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns",
                "eval_prompts", "eval_samples")),
-            ("replay", not (self.replay and self.evaluates), "has no engine to evaluate with"),
+            ("replay", not (self.replay and (self.eval_only or self.eval_at_start)), "has no engine to evaluate with"),
             ("eval_file", self.eval_file or not (self.evaluates and self.task_file), "must be set with task_file"),
             ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..{self.batch_size}"),
             ("teacher", (self.advantage == "opd") == bool(self.teacher), "is given exactly when advantage=opd"),

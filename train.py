@@ -596,7 +596,7 @@ def main(argv=None):
                              wait_eval=t_eval)
                 m = step_metrics(step, msgs, sums, stale_max, hist, norms, times, counters, stats,
                                  (generated - last_generated) / max(now - last_t, 1e-9))
-                if cfg.eval_every and step % cfg.eval_every == 0:  # its line waits for its evaluation (log_held)
+                if cfg.eval_every and ro is not None and step % cfg.eval_every == 0:  # the line waits for it (log_held)
                     ro.evaluate(step)
                     held = m
                 else:

@@ -97,7 +97,7 @@ def test_a_chat_agent_evaluates_through_the_endpoint(tok, tmp_path):
 
 def test_an_evaluation_episode_never_reaches_the_trainer():
     class Ro:  # a rollout whose queue (wrongly) holds an evaluation episode
-        def get(self):
+        def get(self, stop=None):
             return [{"index": -3, "reward": 0.0}]
     cfg = config.load(["--prompts_per_step=1"])
     with pytest.raises(AssertionError, match="evaluation episode -3 reached the trainer"):
