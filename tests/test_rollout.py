@@ -2,6 +2,8 @@
 import asyncio
 import math
 import os
+import sys
+import threading
 import time
 
 import pytest
@@ -183,9 +185,20 @@ def drive(engine, coro_fn):
         if loop_task in done:
             work.cancel()
             loop_task.result()
-        loop_task.cancel()
+        await stop_the_rest()
         return work.result()
     return asyncio.run(main())
+
+
+async def stop_the_rest(timeout=30):
+    """Cancel every task but this one and wait until they have ended, before asyncio.run's cleanup would: that
+    cleanup also cancels CPython 3.11's own task that connects a new subprocess's pipes (an agent starting its
+    program), and that process's wait() then never returns. Those pipe tasks are left to finish."""
+    me = asyncio.current_task()
+    while rest := [t for t in asyncio.all_tasks() if t is not me and t.get_coro().__name__ != "_connect_pipes"]:
+        for t in rest:
+            t.cancel()
+        assert not (await asyncio.wait(rest, timeout=timeout))[1], "tasks still running after being cancelled"
 
 
 def collect(cfg, engine, tok, n):
@@ -203,6 +216,35 @@ def collect(cfg, engine, tok, n):
         prod.cancel()
         return msgs
     return drive(engine, episodes)
+
+
+def test_drive_returns_while_agents_start_their_programs():
+    """drive() (and so collect) returns when the work does, although agents it left running are starting programs
+    at that moment: asyncio.run's cleanup cancelled CPython 3.11's own task that connects a new subprocess's pipes,
+    and that process's wait() then never returned (a test hung 900 s in CI when an agent started its program late)."""
+    class Idle:  # an engine with nothing to do
+        async def run(self):
+            await asyncio.Event().wait()
+
+    async def agent():
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)",
+                                                    stdout=asyncio.subprocess.PIPE)
+        try:
+            await proc.communicate()
+        finally:  # as tests/agents/process_agent.py does
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+    async def work():
+        for _ in range(8):
+            asyncio.ensure_future(agent())
+        return "done"
+    out = []
+    thread = threading.Thread(target=lambda: out.append(drive(Idle(), work)), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert out == ["done"], "drive() hung stopping the agents it left running"
 
 
 def test_episode_holds_exactly_the_sampled_ids(tok):
