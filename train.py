@@ -314,8 +314,10 @@ def reduce_metrics(vec, stale_max, world):
 
 
 def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, rollout_rate):
-    """The metrics.jsonl line of a step. s: the reduced sums; times: {"step", "wait_rollout", "train", ...}."""
-    rewards = torch.tensor([m["reward"] for m in msgs])
+    """The metrics.jsonl line of a step. s: the reduced sums; times: {"step", "wait_rollout", "train", ...}.
+    reward/ and episode/ are means over episodes: a chat episode's segments (one message each) count once."""
+    episodes = list({m["index"]: m for m in msgs}.values())
+    rewards = torch.tensor([m["reward"] for m in episodes])
     tok, n, mm = max(s["tokens"], 1), len(norms), s["mm_tokens"]
     finite = [g for g in norms if math.isfinite(g)]
     return {
@@ -333,8 +335,8 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
         "throughput/rollout_tokens_per_s": rollout_rate, "throughput/train_tokens_per_s": s["tokens"] / times["train"],
         **{f"rollout/{k}": stats[k] for k in rollout.COUNTS},
         **{f"rollout/{k}": counters[k] for k in ("dropped_stale", "filtered_groups")},
-        **{f"episode/{k}": sum(m["info"].get(k, 0.0) for m in msgs) / len(msgs)
-           for k in sorted({k for m in msgs for k in m["info"]})},
+        **{f"episode/{k}": sum(m["info"].get(k, 0.0) for m in episodes) / len(episodes)
+           for k in sorted({k for m in episodes for k in m["info"]})},
     }
 
 # ---- checkpoints: a Hugging Face directory + trainer state, written atomically ----

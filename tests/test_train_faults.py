@@ -12,6 +12,7 @@ import torch
 
 import config
 import estimators
+import rollout
 import train
 from model_moe import ModelConfig, Transformer
 from test_real_use import tiny_setup
@@ -95,6 +96,20 @@ def test_an_episode_in_three_segments_weighs_once_in_its_group(name):
     assert adv == pytest.approx(expected, abs=1e-6)
     if name == "grpo":
         assert adv[0] == pytest.approx(0.866, abs=1e-3)  # counting segments as episodes gave 0.65 / -1.29
+
+
+def test_an_episode_in_three_segments_counts_once_in_the_logged_means():
+    """reward/mean and episode/* are means over episodes: the 3 segments of episode 0 (each a message that carries
+    the episode's reward and info) count once, as in the baseline above."""
+    episodes = [(0, 1.0), (0, 1.0), (0, 1.0), (1, 1.0), (2, 0.0), (3, 0.0)]
+    msgs = [{"index": i, "reward": r, "group": 0, "info": {"turns": 3.0 if i == 0 else 1.0}} for i, r in episodes]
+    sums = dict.fromkeys(train.LOSS_KEYS + train.CONSISTENCY_KEYS, 1.0)
+    stats = dict.fromkeys(rollout.COUNTS, 0)
+    m = train.step_metrics(1, msgs, sums, 0, [], [1.0], {"train": 1.0}, dict.fromkeys(
+        ("skipped_steps", "dropped_stale", "filtered_groups"), 0), stats, 0.0)
+    assert m["reward/mean"] == 0.5  # per segment: 4/6
+    assert m["episode/turns"] == 1.5  # per segment: 12/6
+    assert m["reward/std"] == pytest.approx(torch.tensor([1.0, 1.0, 0.0, 0.0]).std().item())
 
 
 # ---- 11. --overwrite removes the rollout dumps too ----
