@@ -525,16 +525,30 @@ def test_vllm_greedy_matches_torch_and_a_weight_update_takes_effect(vllm_server,
 
 def train_loop_on_policy(tmp_path, engine, flags, env=()):
     """train.py on the default recipe with a server engine, 3 on-policy steps (each publishes new weights to the
-    server) -> its metrics, after the checks every engine passes: versions 1..3, no staleness, every trained token
-    the server's under the current weights."""
+    server), evaluating greedily at the start and after every step -> its metrics, after the checks every engine
+    passes: versions 1..3, no staleness, every trained token the server's under the current weights; each
+    evaluation's metrics on its step's line, its episodes dumped, none of them trained on."""
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
            *flags, "--prompts_per_step=2", "--group_size=4", "--max_steps=3", "--max_staleness=0", "--ckpt_every=0",
-           "--dump_every=0"]
+           "--dump_every=0", "--rollout_dump", "--eval_at_start", "--eval_every=1", "--eval_prompts=2",
+           "--eval_samples=2", "--eval_temperature=0"]
     env = {**os.environ, **dict(env), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), ROOT]))
     r = subprocess.run(cmd, env=env, cwd=ROOT, timeout=600, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:] + rollout.log_tail(str(tmp_path / f"{engine}_server.log"))
-    ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3] and "reward/mean" not in lines[0]  # step 0: its evaluation
+    # every token of the evaluation of step v was sampled by weights v: the rollout checks the versions the server's
+    # answers were tagged with (test_eval: it refuses others), and a refusal would have ended the run
+    for m in lines:
+        assert m["eval/episodes"] == 4 and m["eval/failed"] == 0 and m["eval/response_tokens"] >= 1, m
+        rows = [json.loads(line) for line in open(tmp_path / "eval" / f"step_{m['step']}.jsonl")]
+        assert [(r["step"], r["prompt"]) for r in rows] == [(m["step"], p) for p in (0, 0, 1, 1)]
+        assert rows[0]["text"] == rows[1]["text"] and rows[2]["text"] == rows[3]["text"]  # greedy reached the server
+    trained = [[x["index"] for x in torch.load(tmp_path / "rollouts" / f"step_{s}.pt", weights_only=False)]
+               for s in (1, 2, 3)]
+    assert sorted(i for b in trained for i in b) == list(range(24))  # training's episodes only, each once
+    ms = lines[1:]
     assert [m["policy_version"] for m in ms] == [1, 2, 3]
     for m in ms:
         assert m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] > 0
@@ -548,7 +562,7 @@ def train_loop_on_policy(tmp_path, engine, flags, env=()):
 @needs_vllm
 def test_train_loop_against_vllm(tmp_path):
     """The whole async loop with engine=vllm: on-policy, so every step loads new weights into the server;
-    every trained token was sampled by the server under the weights that train it."""
+    every trained token was sampled by the server under the weights that train it; it evaluates each version."""
     ms = train_loop_on_policy(tmp_path, "vllm", [f"--out_dir={tmp_path}", "--engine=vllm",
                               f"--server_python={VLLM_PYTHON}", "--server_args=--enforce-eager", "--tiny_experts=0"])
     assert all(m["mismatch/logprob_abs_diff"] < 1e-4 for m in ms), ms
@@ -738,7 +752,7 @@ def test_killed_sglang_server_is_a_clear_error(sglang_server, tok):  # last: it 
 def test_train_loop_against_sglang_moe(tmp_path, device):
     """The whole async loop with engine=sglang on the tiny MoE, on-policy: every step broadcasts new weights
     to the server; every trained token was sampled by it under the weights that train it, with the experts
-    it routed to replayed in training."""
+    it routed to replayed in training; each version evaluated on the server, none of its episodes trained on."""
     ms = train_loop_on_policy(tmp_path, "sglang", sglang_flags(device, tmp_path), SGLANG[device]["env"])
     assert all(m["mismatch/logprob_abs_diff"] < 1e-5 and m["routing/flip_frac"] < 0.01 for m in ms), ms
     print("routing/flip_frac:", [m["routing/flip_frac"] for m in ms])
