@@ -2,6 +2,7 @@
 read first, then `--key=value` overrides; `--help` lists every field. Unknown keys, wrong types and impossible
 combinations fail before anything starts, naming the key."""
 import ast
+import contextlib
 import re
 import sys
 import types
@@ -155,23 +156,16 @@ def field_docs():
 
 def _coerce(key, value, typ, cli=False):
     """A config file's Python value, or (cli=True) a command-line string, as typ; a file's "10" is no int."""
-    if typ is bool:
-        if cli and value.lower() in ("1", "true", "yes", "0", "false", "no"):
-            return value.lower() in ("1", "true", "yes")
-        if isinstance(value, bool):
-            return value
-    elif typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    elif typ is str and isinstance(value, str):
-        return value
-    elif cli:  # "12" -> 12, "3e-4" -> 0.0003
-        try:
-            return _coerce(key, ast.literal_eval(value), typ)
-        except (ValueError, SyntaxError, TypeError):
-            pass
-    elif isinstance(value, typ) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"config: {key}={value!r} is not a {typ.__name__}")
+    given = value
+    if cli and typ is bool and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+        return value.lower() in ("1", "true", "yes")
+    if cli and typ is not str:  # "12" -> 12, "3e-4" -> 0.0003
+        with contextlib.suppress(ValueError, SyntaxError, TypeError):
+            value = ast.literal_eval(value)
+    # a bool is an int to isinstance, and an int is a float to the config
+    if isinstance(value, bool) == (typ is bool) and isinstance(value, (int, float) if typ is float else typ):
+        return typ(value)
+    raise ValueError(f"config: {key}={given!r} is not a {typ.__name__}")
 
 
 def read_file(path, types_):
