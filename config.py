@@ -111,10 +111,14 @@ class Config:
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
         self.evaluates = bool(self.eval_every or self.eval_at_start or self.eval_only)
+        import estimators  # the variant names live beside the functions
+        tables = {"engine": ("torch", "vllm", "sglang"), "weight_sync": ("gloo", "nccl", "disk"),
+                  "dtype": ("float32", "bfloat16"), "reshard_after_forward": ("auto", "true", "false"),
+                  "advantage": estimators.ADVANTAGES | {"opd": None}, "kl_estimator": estimators.KL,
+                  "policy_loss": estimators.POLICY_LOSSES, "aggregation": estimators.AGGREGATIONS,
+                  "correction": estimators.CORRECTIONS}
         checks = [
-            ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
-            ("weight_sync", self.weight_sync in ("gloo", "nccl", "disk"), "must be gloo, nccl or disk"),
-            ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
+            *((key, getattr(self, key) in t, f"must be one of {', '.join(t)}") for key, t in tables.items()),
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),
             *((key, getattr(self, key) >= 0, "must be >= 0") for key in
@@ -138,12 +142,6 @@ class Config:
             ("correction_low", self.correction_low < 1 < self.correction_high, "must be < 1 < correction_high"),
             ("queue_size", self.queue_size >= self.prompts_per_step, f"must be >= {self.prompts_per_step} (a batch)"),
         ]
-        import estimators  # the variant names live beside the functions
-        for key, table in (("advantage", estimators.ADVANTAGES | {"opd": None}), ("kl_estimator", estimators.KL),
-                           ("policy_loss", estimators.POLICY_LOSSES), ("aggregation", estimators.AGGREGATIONS),
-                           ("correction", estimators.CORRECTIONS),
-                           ("reshard_after_forward", ("auto", "true", "false"))):
-            checks.append((key, getattr(self, key) in table, f"must be one of {', '.join(table)}"))
         for key, ok, why in checks:
             if not ok:
                 raise ValueError(f"config: {key}={getattr(self, key)!r} {why}")
