@@ -88,10 +88,9 @@ def tiny_init(cfg, rank, fsdp):
     """The "tiny" model: a small MoE and a tokenizer made here from scratch (no download), in <out_dir>/tiny-init."""
     path = os.path.join(cfg.out_dir, "tiny-init")
     if rank == 0:
-        from transformers import AutoTokenizer
         if not os.path.isdir(path):
             agent.make_tokenizer(path + ".tmp")
-        tok = AutoTokenizer.from_pretrained(path if os.path.isdir(path) else path + ".tmp")
+        tok = rollout._tokenizer(path if os.path.isdir(path) else path + ".tmp")
         vision = dict(vision_layers=2, vision_hidden=cfg.tiny_hidden // 2, image_size=cfg.image_size,
                       patch_size=cfg.patch_size, image_token_id=tok.convert_tokens_to_ids(agent.IMAGE_PAD))
         c = ModelConfig(vocab_size=len(tok), hidden_size=cfg.tiny_hidden, intermediate_size=2 * cfg.tiny_hidden,
@@ -402,8 +401,7 @@ class Logger:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
         open(self.path, "w").writelines(x for x in lines if cfg.eval_only or json.loads(x)["step"] <= step)
-        with open(os.path.join(os.path.dirname(self.path), "config.json"), "w") as f:
-            json.dump(config.to_dict(cfg), f, indent=2)
+        json.dump(config.to_dict(cfg), open(os.path.join(os.path.dirname(self.path), "config.json"), "w"), indent=2)
         if cfg.wandb_project:
             import wandb
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
@@ -520,8 +518,7 @@ def main(argv=None):
     changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes
     ro = tokenizer = logger = held = None  # held: the line of a step being evaluated, logged before the next publish
     if rank == 0:
-        from transformers import AutoTokenizer
-        tokenizer, logger = AutoTokenizer.from_pretrained(tokenizer_dir), Logger(cfg, step, state)
+        tokenizer, logger = rollout._tokenizer(tokenizer_dir), Logger(cfg, step, state)
         if not cfg.replay:
             say(f"starting the rollout process ({cfg.engine} engine)")
             resume = state.get("resume") or {}  # deterministic: the settled groups, the admission state
