@@ -973,6 +973,4 @@ def log_tail(path, n_bytes=3000):
     """'; last lines of <path>: ...' for error messages ('' when there is no log)."""
     if not path or not os.path.isfile(path):
         return ""
-    with open(path, "rb") as f:
-        f.seek(max(0, os.path.getsize(path) - n_bytes))
-        return f"; last lines of {path}:\n" + f.read().decode(errors="replace")
+    return f"; last lines of {path}:\n" + open(path, "rb").read()[-n_bytes:].decode(errors="replace")
