@@ -508,8 +508,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                                   engine.stop_ids)
 
     async def one(task, index, run=run, sampling=None):
-        llm = Policy(engine, tokenizer, index, sampling)
-        endpoint.attach(server, llm)  # llm.base_url, llm.api_key, llm.model for chat agents
+        llm = endpoint.attach(server, Policy(engine, tokenizer, index, sampling))  # base_url, api_key, model for chat
         agent_task = asyncio.ensure_future(run(task, llm))
         if not (await asyncio.wait([agent_task], timeout=cfg.episode_timeout))[0]:
             # not wait_for: it waits for the cancelled agent to finish, forever if the agent swallows the
