@@ -437,13 +437,9 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
         if model_cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         engine = TorchEngine(model, slots=cfg.engine_slots, source=link.weights if copy else None, **sampling)
-    tasks = [asyncio.create_task(engine.run()), asyncio.create_task(
-        produce(cfg, engine, tok, link.out_q, link.dropped, start_index, model_cfg.vocab_size, state, link.evals))]
-    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for t in tasks:
-        t.cancel()
-    for t in done:  # neither returns: an engine or producer error ends the rollout process
-        t.result()
+    # neither returns: the first error, the engine's or the producer's, ends the rollout process (rollout_main)
+    await asyncio.gather(engine.run(), produce(cfg, engine, tok, link.out_q, link.dropped, start_index,
+                                               model_cfg.vocab_size, state, link.evals))
 
 
 KNOBS = ("seed", "group_size", "guess_max", "max_turns", "tool_timeout", "tool_memory_mb", "sandbox_unsafe",
