@@ -16,7 +16,6 @@ Launch:
   python train.py --config configs/guess.py                                    # one process
   torchrun --standalone --nproc_per_node=2 train.py --config configs/guess.py  # FSDP2 over 2 ranks"""
 import datetime
-import functools
 import json
 import math
 import os
@@ -26,7 +25,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -206,7 +204,7 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
     """-> logits (n, V) before each trained token; logp (B, T-1) of each (0 elsewhere) under the engine's filter
     (temperature, top-k, top-p; filtered=False: temperature only: a KL to a reference compares models, not samplers)."""
     sel, ids = b["loss_mask"][:, 1:].bool(), b["ids"]  # token t is predicted at position t-1
-    at = F.pad(sel, (0, 1))
+    at = torch.nn.functional.pad(sel, (0, 1))
     if logits is None:
         logits = model(ids, routing=b["routing"], images=b["images"], logits_at=at, aux_mask=at).float()
     k, p = (cfg.top_k, cfg.top_p) if filtered else (0, 1.0)
@@ -490,7 +488,7 @@ def main(argv=None):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)) if device.type == "cpu" else 8)
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed + rank)
-    say = functools.partial(print, flush=True) if rank == 0 else lambda *a: None  # every long wait says what it is
+    say = lambda *a: print(*a, flush=True) if rank == 0 else None  # every long wait says what it is
     # ---- the policy (from the latest checkpoint when resuming), the frozen reference and teacher ----
     init = tiny_init(cfg, rank, fsdp) if cfg.model == "tiny" else cfg.model
     if init.endswith(".gguf"):  # dequantized once into <file>.hf, which also holds the tokenizer
