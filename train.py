@@ -577,11 +577,10 @@ def main(argv=None):
             t_eval = time.perf_counter()
             held = log_held(logger, ro, held)  # the last version's evaluation ends before its weights do
             t_sync = time.perf_counter()
-            t_eval = t_sync - t_eval
             weights = full_state(model, fsdp, changed)
             if ro is not None:
                 ro.publish(weights, step)
-            t_sync = time.perf_counter() - t_sync
+            t_eval, t_sync = t_sync - t_eval, time.perf_counter() - t_sync
             if rank == 0:
                 stats = max((m["stats"] for m in msgs), key=lambda st: st["tokens_generated"])  # the latest
                 state["rollout_counts"] = {k: stats[k] for k in rollout.COUNTS}
