@@ -143,7 +143,7 @@ class TorchEngine:
         self.version = version.value if version is not None else 0
         self.requests = itertools.count()
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
-        self.wake, self.tokens_generated, self.busy_s = asyncio.Event(), 0, 0.0
+        self.wake, self.tokens_generated = asyncio.Event(), 0
 
     async def generate(self, ids, max_new_tokens=None, images=None, key=None, sampling=None) -> Completion:
         """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
@@ -195,7 +195,6 @@ class TorchEngine:
 
     def step(self):
         """One engine iteration. Returns the number of rows that decoded."""
-        t0 = time.perf_counter()
         with self.lock:  # the trainer cannot swap weights in the middle of a forward
             if self.shared_version is not None and self.shared_version.value != self.version:
                 self.set_weights(self.source or {}, self.shared_version.value)
@@ -211,7 +210,6 @@ class TorchEngine:
             rows = [self.active[s] for s in sorted(self.active) if self.active[s] not in new]
             if rows:  # decode: feed each row's last sampled token
                 self._sample(rows, self._forward(rows, [r.ids[-1:] for r in rows], [r.fed for r in rows]))
-        self.busy_s += time.perf_counter() - t0
         return len(new) + len(rows)
 
     def _sample(self, rows, logits):
@@ -553,7 +551,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             if err is None:
                 msgs = t.result()
                 for m in msgs:
-                    m["stats"] = dict(counts, tokens_generated=engine.tokens_generated, engine_busy_s=engine.busy_s)
+                    m["stats"] = dict(counts, tokens_generated=engine.tokens_generated)
             else:
                 key = "agent_timeouts" if isinstance(err, asyncio.TimeoutError) else \
                     "malformed" if isinstance(err, Malformed) else "agent_errors"
@@ -791,7 +789,7 @@ class ServerEngine:
         self.open, self.idle = asyncio.Event(), asyncio.Event()  # admitting requests; none in flight
         self.idle.set()
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
-        self.calls, self.in_flight, self.t_busy, self.tokens_generated, self.busy_s = itertools.count(), 0, 0.0, 0, 0.0
+        self.calls, self.in_flight, self.tokens_generated = itertools.count(), 0, 0
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
     async def generate(self, ids, max_new_tokens=None, key=None, sampling=None) -> Completion:
@@ -836,10 +834,8 @@ class ServerEngine:
                 fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
 
     def _count(self, d):
-        """Requests in flight: busy_s is the time with at least one; `idle` is set when there are none."""
-        now = time.perf_counter()
-        self.busy_s += now - self.t_busy if self.in_flight else 0.0
-        self.in_flight, self.t_busy = self.in_flight + d, now
+        """Requests in flight: `idle` is set when there are none."""
+        self.in_flight += d
         self.idle.set() if self.in_flight == 0 else self.idle.clear()
 
     async def _call(self, k, fn, *args):
