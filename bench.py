@@ -48,8 +48,7 @@ def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
                            capture_output=True, text=True, env=USER_ENV)
         if p.returncode != 0:
             raise RuntimeError(f"{cmd[-1]} {overrides} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-        with open(os.path.join(d, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
+        return [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
 
 
 def bench_parity():
