@@ -395,10 +395,9 @@ def make_task(name_or_path: str, index: int, *, seed: int, group_size: int, gues
         raise ValueError(f"guess_max={guess_max}: must be in 1..9 (a guess is one digit)")
     group = index // group_size  # a group shares one prompt, so its baseline compares like with like
     rng = random.Random(seed * 1_000_003 + group)
-    # Every field is drawn for every task, in a fixed order, so one task's draws never shift another's.
-    secret, a, b, c = rng.randint(1, guess_max), rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
+    # Every field is drawn for every task, left to right (seed last: for user agents' own draws): none shifts another
     task = dict(knobs, task=name_or_path, index=index, group=group, guess_max=guess_max, max_turns=max_turns,
-                tool_timeout=tool_timeout, tool_memory_mb=tool_memory_mb, secret=secret, a=a, b=b, c=c,
-                seed=rng.getrandbits(32))  # for user agents that draw their own data
+                tool_timeout=tool_timeout, tool_memory_mb=tool_memory_mb, secret=rng.randint(1, guess_max),
+                a=rng.randint(1, 9), b=rng.randint(1, 9), c=rng.randint(1, 9), seed=rng.getrandbits(32))
     rows = load_task_file(task_file) if task_file else [{}]  # a data set: its rows, one per group, override the draws
     return task | rows[group % len(rows)]

@@ -23,7 +23,7 @@ import config  # noqa: E402
 import endpoint  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
-from model_moe import ModelConfig, Transformer, convert_gguf  # noqa: E402
+from model_moe import Transformer, convert_gguf  # noqa: E402
 
 GUESS = ["--config", "configs/guess.py", "--dump_every=0", "--ckpt_every=0"]  # the default recipe, no mid-run dumps
 ARITH = ["--task=arith", "--max_turns=1", "--max_new_tokens=4", "--temperature=1"]  # issue 22's: 8 x 8, tiny MoE
@@ -40,10 +40,6 @@ def timed(fns, n, best=False):
     return {k: (min if best else med)(r[k] for r in rounds[1:]) for k in fns}  # round 0 warms up (lazy init)
 
 
-def peak_mb(pid="self"):  # VmHWM: the peak resident set of a live process
-    return int(open(f"/proc/{pid}/status").read().split("VmHWM:")[1].split()[0]) / 1024
-
-
 def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
     """cwd's train.py (or cmd, writing metrics.jsonl as train.py does) + overrides in a temporary out_dir -> them."""
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] * (ranks > 1)
@@ -52,8 +48,7 @@ def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
                            capture_output=True, text=True, env=USER_ENV)
         if p.returncode != 0:
             raise RuntimeError(f"{cmd[-1]} {overrides} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-        with open(os.path.join(d, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
+        return [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
 
 
 def bench_parity():
@@ -116,14 +111,12 @@ def bench_engine():
     """The baseline: HF `generate` on the same weights (from our checkpoint), one left-padded batch per call. The
     bound: a decode step reads every weight and the rows' K and V at the bytes/s of a large copy (reads + writes)."""
     new, repeats = (16, 1) if args.quick else (32, 1) if args.model else (128, 3)  # new tokens per row
-    c = ModelConfig(vocab_size=384, num_experts=8, max_position_embeddings=256)  # else the defaults: the tiny preset
-    ours = (Transformer.from_pretrained(args.model) if args.model else Transformer(c).init_weights(0)).eval()
+    d = args.model or train.tiny_init(config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}"]), 0, False)  # our dir
+    ours = Transformer.from_pretrained(d).eval()
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     c, x, y = ours.config, torch.ones(1 << 27), torch.zeros(1 << 27)  # 512 MB each: far past the caches
     bw = 2 * x.nbytes / timed({"copy": lambda: y.copy_(x)}, 3, best=True)["copy"]
     kv = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4  # bytes of K and V at one position
-    with tempfile.TemporaryDirectory() as d:
-        ours.save_pretrained(d)
-        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(c.vocab_size, (int(n),), generator=g) for n in torch.randint(16, 33, (64,), generator=g)]
 
@@ -145,9 +138,10 @@ def bench_engine():
         step_bytes = weights + kv * sum(len(p) + new / 2 for p in prompts[:n])  # the mean decode step's reads
         rows.append((n, f"{n * new / t['engine']:,.0f}", f"{n * new / t['hf']:,.0f}", f"{t['hf'] / t['engine']:.2f}x",
                      f"{n * bw / step_bytes:,.0f}", f"{n * new / t['engine'] / (n * bw / step_bytes):.0%}"))
+    peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024  # MB: the peak resident set
     table(f"{os.path.basename(args.model) or 'tiny MoE, 8 experts top-2'}, {weights / 4e6:.2f}M params: random prompts "
           f"of 16..32 tokens, {new} new each at temperature 1, median of {repeats}, {torch.get_num_threads()} threads; "
-          f"copy {bw / 1e9:.1f} GB/s; peak RSS {peak_mb():,.0f} MB (both models)", ["requests at once", "engine tok/s "
+          f"copy {bw / 1e9:.1f} GB/s; peak RSS {peak:,.0f} MB (both models)", ["requests at once", "engine tok/s "
           "(measured)", "HF generate tok/s (baseline)", "ratio", "memory bound tok/s", "engine / bound"], rows)
 
 

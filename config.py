@@ -2,6 +2,7 @@
 read first, then `--key=value` overrides; `--help` lists every field. Unknown keys, wrong types and impossible
 combinations fail before anything starts, naming the key."""
 import ast
+import contextlib
 import re
 import sys
 import types
@@ -110,10 +111,14 @@ class Config:
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
         self.evaluates = bool(self.eval_every or self.eval_at_start or self.eval_only)
+        import estimators  # the variant names live beside the functions
+        tables = {"engine": ("torch", "vllm", "sglang"), "weight_sync": ("gloo", "nccl", "disk"),
+                  "dtype": ("float32", "bfloat16"), "reshard_after_forward": ("auto", "true", "false"),
+                  "advantage": estimators.ADVANTAGES | {"opd": None}, "kl_estimator": estimators.KL,
+                  "policy_loss": estimators.POLICY_LOSSES, "aggregation": estimators.AGGREGATIONS,
+                  "correction": estimators.CORRECTIONS}
         checks = [
-            ("engine", self.engine in ("torch", "vllm", "sglang"), "must be torch, vllm or sglang"),
-            ("weight_sync", self.weight_sync in ("gloo", "nccl", "disk"), "must be gloo, nccl or disk"),
-            ("dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16"),
+            *((key, getattr(self, key) in t, f"must be one of {', '.join(t)}") for key, t in tables.items()),
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),
             *((key, getattr(self, key) >= 0, "must be >= 0") for key in
@@ -137,12 +142,6 @@ class Config:
             ("correction_low", self.correction_low < 1 < self.correction_high, "must be < 1 < correction_high"),
             ("queue_size", self.queue_size >= self.prompts_per_step, f"must be >= {self.prompts_per_step} (a batch)"),
         ]
-        import estimators  # the variant names live beside the functions
-        for key, table in (("advantage", estimators.ADVANTAGES | {"opd": None}), ("kl_estimator", estimators.KL),
-                           ("policy_loss", estimators.POLICY_LOSSES), ("aggregation", estimators.AGGREGATIONS),
-                           ("correction", estimators.CORRECTIONS),
-                           ("reshard_after_forward", ("auto", "true", "false"))):
-            checks.append((key, getattr(self, key) in table, f"must be one of {', '.join(table)}"))
         for key, ok, why in checks:
             if not ok:
                 raise ValueError(f"config: {key}={getattr(self, key)!r} {why}")
@@ -155,23 +154,16 @@ def field_docs():
 
 def _coerce(key, value, typ, cli=False):
     """A config file's Python value, or (cli=True) a command-line string, as typ; a file's "10" is no int."""
-    if typ is bool:
-        if cli and value.lower() in ("1", "true", "yes", "0", "false", "no"):
-            return value.lower() in ("1", "true", "yes")
-        if isinstance(value, bool):
-            return value
-    elif typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    elif typ is str and isinstance(value, str):
-        return value
-    elif cli:  # "12" -> 12, "3e-4" -> 0.0003
-        try:
-            return _coerce(key, ast.literal_eval(value), typ)
-        except (ValueError, SyntaxError, TypeError):
-            pass
-    elif isinstance(value, typ) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"config: {key}={value!r} is not a {typ.__name__}")
+    given = value
+    if cli and typ is bool and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+        return value.lower() in ("1", "true", "yes")
+    if cli and typ is not str:  # "12" -> 12, "3e-4" -> 0.0003
+        with contextlib.suppress(ValueError, SyntaxError, TypeError):
+            value = ast.literal_eval(value)
+    # a bool is an int to isinstance, and an int is a float to the config
+    if isinstance(value, bool) == (typ is bool) and isinstance(value, (int, float) if typ is float else typ):
+        return typ(value)
+    raise ValueError(f"config: {key}={given!r} is not a {typ.__name__}")
 
 
 def read_file(path, types_):

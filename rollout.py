@@ -143,7 +143,7 @@ class TorchEngine:
         self.version = version.value if version is not None else 0
         self.requests = itertools.count()
         self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
-        self.wake, self.tokens_generated, self.busy_s = asyncio.Event(), 0, 0.0
+        self.wake, self.tokens_generated = asyncio.Event(), 0
 
     async def generate(self, ids, max_new_tokens=None, images=None, key=None, sampling=None) -> Completion:
         """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
@@ -195,7 +195,6 @@ class TorchEngine:
 
     def step(self):
         """One engine iteration. Returns the number of rows that decoded."""
-        t0 = time.perf_counter()
         with self.lock:  # the trainer cannot swap weights in the middle of a forward
             if self.shared_version is not None and self.shared_version.value != self.version:
                 self.set_weights(self.source or {}, self.shared_version.value)
@@ -211,7 +210,6 @@ class TorchEngine:
             rows = [self.active[s] for s in sorted(self.active) if self.active[s] not in new]
             if rows:  # decode: feed each row's last sampled token
                 self._sample(rows, self._forward(rows, [r.ids[-1:] for r in rows], [r.fed for r in rows]))
-        self.busy_s += time.perf_counter() - t0
         return len(new) + len(rows)
 
     def _sample(self, rows, logits):
@@ -437,13 +435,9 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
         if model_cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         engine = TorchEngine(model, slots=cfg.engine_slots, source=link.weights if copy else None, **sampling)
-    tasks = [asyncio.create_task(engine.run()), asyncio.create_task(
-        produce(cfg, engine, tok, link.out_q, link.dropped, start_index, model_cfg.vocab_size, state, link.evals))]
-    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for t in tasks:
-        t.cancel()
-    for t in done:  # neither returns: an engine or producer error ends the rollout process
-        t.result()
+    # neither returns: the first error, the engine's or the producer's, ends the rollout process (rollout_main)
+    await asyncio.gather(engine.run(), produce(cfg, engine, tok, link.out_q, link.dropped, start_index,
+                                               model_cfg.vocab_size, state, link.evals))
 
 
 KNOBS = ("seed", "group_size", "guess_max", "max_turns", "tool_timeout", "tool_memory_mb", "sandbox_unsafe",
@@ -508,8 +502,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                                   engine.stop_ids)
 
     async def one(task, index, run=run, sampling=None):
-        llm = Policy(engine, tokenizer, index, sampling)
-        endpoint.attach(server, llm)  # llm.base_url, llm.api_key, llm.model for chat agents
+        llm = endpoint.attach(server, Policy(engine, tokenizer, index, sampling))  # base_url, api_key, model for chat
         agent_task = asyncio.ensure_future(run(task, llm))
         if not (await asyncio.wait([agent_task], timeout=cfg.episode_timeout))[0]:
             # not wait_for: it waits for the cancelled agent to finish, forever if the agent swallows the
@@ -558,7 +551,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             if err is None:
                 msgs = t.result()
                 for m in msgs:
-                    m["stats"] = dict(counts, tokens_generated=engine.tokens_generated, engine_busy_s=engine.busy_s)
+                    m["stats"] = dict(counts, tokens_generated=engine.tokens_generated)
             else:
                 key = "agent_timeouts" if isinstance(err, asyncio.TimeoutError) else \
                     "malformed" if isinstance(err, Malformed) else "agent_errors"
@@ -796,7 +789,7 @@ class ServerEngine:
         self.open, self.idle = asyncio.Event(), asyncio.Event()  # admitting requests; none in flight
         self.idle.set()
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
-        self.calls, self.in_flight, self.t_busy, self.tokens_generated, self.busy_s = itertools.count(), 0, 0.0, 0, 0.0
+        self.calls, self.in_flight, self.tokens_generated = itertools.count(), 0, 0
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
     async def generate(self, ids, max_new_tokens=None, key=None, sampling=None) -> Completion:
@@ -841,10 +834,8 @@ class ServerEngine:
                 fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
 
     def _count(self, d):
-        """Requests in flight: busy_s is the time with at least one; `idle` is set when there are none."""
-        now = time.perf_counter()
-        self.busy_s += now - self.t_busy if self.in_flight else 0.0
-        self.in_flight, self.t_busy = self.in_flight + d, now
+        """Requests in flight: `idle` is set when there are none."""
+        self.in_flight += d
         self.idle.set() if self.in_flight == 0 else self.idle.clear()
 
     async def _call(self, k, fn, *args):
@@ -973,6 +964,4 @@ def log_tail(path, n_bytes=3000):
     """'; last lines of <path>: ...' for error messages ('' when there is no log)."""
     if not path or not os.path.isfile(path):
         return ""
-    with open(path, "rb") as f:
-        f.seek(max(0, os.path.getsize(path) - n_bytes))
-        return f"; last lines of {path}:\n" + f.read().decode(errors="replace")
+    return f"; last lines of {path}:\n" + open(path, "rb").read()[-n_bytes:].decode(errors="replace")

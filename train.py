@@ -16,7 +16,6 @@ Launch:
   python train.py --config configs/guess.py                                    # one process
   torchrun --standalone --nproc_per_node=2 train.py --config configs/guess.py  # FSDP2 over 2 ranks"""
 import datetime
-import functools
 import json
 import math
 import os
@@ -26,7 +25,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -88,10 +86,9 @@ def tiny_init(cfg, rank, fsdp):
     """The "tiny" model: a small MoE and a tokenizer made here from scratch (no download), in <out_dir>/tiny-init."""
     path = os.path.join(cfg.out_dir, "tiny-init")
     if rank == 0:
-        from transformers import AutoTokenizer
         if not os.path.isdir(path):
             agent.make_tokenizer(path + ".tmp")
-        tok = AutoTokenizer.from_pretrained(path if os.path.isdir(path) else path + ".tmp")
+        tok = rollout._tokenizer(path if os.path.isdir(path) else path + ".tmp")
         vision = dict(vision_layers=2, vision_hidden=cfg.tiny_hidden // 2, image_size=cfg.image_size,
                       patch_size=cfg.patch_size, image_token_id=tok.convert_tokens_to_ids(agent.IMAGE_PAD))
         c = ModelConfig(vocab_size=len(tok), hidden_size=cfg.tiny_hidden, intermediate_size=2 * cfg.tiny_hidden,
@@ -207,7 +204,7 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
     """-> logits (n, V) before each trained token; logp (B, T-1) of each (0 elsewhere) under the engine's filter
     (temperature, top-k, top-p; filtered=False: temperature only: a KL to a reference compares models, not samplers)."""
     sel, ids = b["loss_mask"][:, 1:].bool(), b["ids"]  # token t is predicted at position t-1
-    at = F.pad(sel, (0, 1))
+    at = torch.nn.functional.pad(sel, (0, 1))
     if logits is None:
         logits = model(ids, routing=b["routing"], images=b["images"], logits_at=at, aux_mask=at).float()
     k, p = (cfg.top_k, cfg.top_p) if filtered else (0, 1.0)
@@ -404,8 +401,7 @@ class Logger:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
         open(self.path, "w").writelines(x for x in lines if cfg.eval_only or json.loads(x)["step"] <= step)
-        with open(os.path.join(os.path.dirname(self.path), "config.json"), "w") as f:
-            json.dump(config.to_dict(cfg), f, indent=2)
+        json.dump(config.to_dict(cfg), open(os.path.join(os.path.dirname(self.path), "config.json"), "w"), indent=2)
         if cfg.wandb_project:
             import wandb
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
@@ -494,7 +490,7 @@ def main(argv=None):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)) if device.type == "cpu" else 8)
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed + rank)
-    say = functools.partial(print, flush=True) if rank == 0 else lambda *a: None  # every long wait says what it is
+    say = lambda *a: print(*a, flush=True) if rank == 0 else None  # every long wait says what it is
     # ---- the policy (from the latest checkpoint when resuming), the frozen reference and teacher ----
     init = tiny_init(cfg, rank, fsdp) if cfg.model == "tiny" else cfg.model
     if init.endswith(".gguf"):  # dequantized once into <file>.hf, which also holds the tokenizer
@@ -522,8 +518,7 @@ def main(argv=None):
     changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes
     ro = tokenizer = logger = held = None  # held: the line of a step being evaluated, logged before the next publish
     if rank == 0:
-        from transformers import AutoTokenizer
-        tokenizer, logger = AutoTokenizer.from_pretrained(tokenizer_dir), Logger(cfg, step, state)
+        tokenizer, logger = rollout._tokenizer(tokenizer_dir), Logger(cfg, step, state)
         if not cfg.replay:
             say(f"starting the rollout process ({cfg.engine} engine)")
             resume = state.get("resume") or {}  # deterministic: the settled groups, the admission state
@@ -584,11 +579,10 @@ def main(argv=None):
             t_eval = time.perf_counter()
             held = log_held(logger, ro, held)  # the last version's evaluation ends before its weights do
             t_sync = time.perf_counter()
-            t_eval = t_sync - t_eval
             weights = full_state(model, fsdp, changed)
             if ro is not None:
                 ro.publish(weights, step)
-            t_sync = time.perf_counter() - t_sync
+            t_eval, t_sync = t_sync - t_eval, time.perf_counter() - t_sync
             if rank == 0:
                 stats = max((m["stats"] for m in msgs), key=lambda st: st["tokens_generated"])  # the latest
                 state["rollout_counts"] = {k: stats[k] for k in rollout.COUNTS}

@@ -6,7 +6,6 @@ out_dir = "out/qwen3-0.6b-calc"
 model = "/models/Qwen3-0.6B"
 dtype = "bfloat16"
 task = "calc"
-max_turns = 3
 max_new_tokens = 256
 engine_max_len = 2048
 engine_slots = 128

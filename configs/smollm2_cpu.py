@@ -11,9 +11,6 @@ task = "arith"
 arith_prompt = "What is {a} + {b}? Reply with only the number."  # "{a}+{b}=" draws essays, never a sum
 temperature = 0.7  # at 1.0 the 4-bit 135M model answers 18% right, at 0.7 38% (96 prompts, 16 tokens)
 max_new_tokens = 12
-group_size = 8
-prompts_per_step = 8
-max_staleness = 1
 lr = 2e-5
 max_steps = 200
 ckpt_every = 20
