@@ -276,14 +276,18 @@ def _ints(text: str) -> list[int]:
 
 
 async def guess(task: dict, llm) -> Episode:
-    """Find a secret in 1..guess_max from too-low / too-high feedback within max_turns model turns."""
+    """Find a secret in 1..guess_max from too-low / too-high feedback within max_turns model turns: the default
+    task, and the model for a token-level agent. The episode is built id by id: the prompt and each feedback are
+    appended as environment tokens (loss_mask 0), each model turn as the engine's own sampled ids (loss_mask 1), so
+    the trainer trains exactly what was sampled; the text is decoded only to read the guess. Reward 1 if found."""
     ep, tok, secret, invalid = Episode(), llm.tokenizer, task["secret"], 0
     ep.append(prompt_ids(tok, GUESS_PROMPT.format(task["guess_max"])))
     for turn in range(1, task["max_turns"] + 1):
         digit = re.search(r"[1-9]", await model_turn(llm, ep))  # the first digit is the guess
-        g = int(digit.group()) if digit else None
-        invalid += g is None
-        feedback = "say a number" if g is None else "correct" if g == secret else GUESS_FEEDBACK[g > secret].format(g)
+        number = int(digit.group()) if digit else None
+        invalid += number is None
+        feedback = ("say a number" if number is None else "correct" if number == secret
+                    else GUESS_FEEDBACK[number > secret].format(number))
         if feedback == "correct" or turn == task["max_turns"]:
             break  # no feedback after the last turn: it would be tokens nothing learns from
         ep.append(turn_suffix(tok, feedback))

@@ -194,7 +194,10 @@ class TorchEngine:
         return torch.cat(out) if logits else None
 
     def step(self):
-        """One engine iteration. Returns the number of rows that decoded."""
+        """One engine iteration -> the number of rows that got a token. Continuous batching: requests that arrived
+        since the last step take the free KV-cache slots and are prefilled (their whole prompt, one token sampled);
+        then every other active row decodes one token. Weights change only here, between forwards, under the lock
+        the trainer's publish takes, so each token's recorded version is the weights that sampled it."""
         with self.lock:  # the trainer cannot swap weights in the middle of a forward
             if self.shared_version is not None and self.shared_version.value != self.version:
                 self.set_weights(self.source or {}, self.shared_version.value)

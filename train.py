@@ -480,6 +480,15 @@ def take_batch(cfg, ro, version, counters):
 
 
 def main(argv=None):
+    """The run, top to bottom. Two kinds of process: this trainer (one per rank under torchrun) and, beside
+    rank 0, the rollout process, whose engine samples the agents' episodes with the latest weights it was handed.
+    Each step: (1) rank 0 takes a batch of whole groups from the rollout queue, each episode sampled at most
+    max_staleness versions ago; (2) advantages per group, and each rank's share of the episodes; (3) every rank
+    recomputes its episodes' logprobs under the current weights, with the engine's routing and sampling filter, so
+    that the difference to the engine's own logprobs is only the weights' age (logged as mismatch/); (4) losses and
+    optimizer steps over mini-batches; (5) the new weights are published to the engine as the next version while
+    it keeps sampling (async RL), then the metrics line, an evaluation every eval_every steps, checkpoints.
+    A signal, or the rollout process dying, ends the loop at a step boundary, with a checkpoint."""
     cfg = config.load(argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name, at=time.monotonic()))
