@@ -76,6 +76,21 @@ def bench_parity():
           "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall", "ratio"], rows)
 
 
+def bench_eval():
+    """What evaluation costs the default recipe (it evaluates every 10 steps); the baseline: the same runs with
+    --eval_every=0, interleaved over seeds. Beside it, the evaluations' own wall time (eval/time, in the rollout)."""
+    steps, seeds = (60, 1) if args.quick else (200, 2)
+    runs = [[run_train([f"--max_steps={steps}", f"--seed={i}", f"--eval_every={e}"]) for e in (10, 0)]
+            for i in range(seeds)]
+    wall = [[sum(m["time/step"] for m in ms) for ms in r] for r in runs]  # the loops' wall, start-up excluded
+    evals = [sum(m.get("eval/time", 0) for m in r[0]) for r in runs]
+    table(f"evaluation: {steps} steps of configs/guess.py, eval_every=10 (16 prompts x 4 samples) vs 0", ["seed",
+          "wall with (measured)", "without (baseline)", "ratio", "cost", "evaluations' own time", "trainer waited"],
+          [(i, f"{a:.1f} s", f"{b:.1f} s", f"{a / b:.3f}", f"{a - b:+.1f} s", f"{e:.1f} s",
+            f"{sum(m['time/wait_eval'] for m in r[0]):.1f} s")
+           for i, ((a, b), e, r) in enumerate(zip(wall, evals, runs))])
+
+
 def bench_fixed():
     """A step's parts (metrics.jsonl medians after warm-up); the baseline: commit --before's train.py (git archive)."""
     steps, warm = (6, 2) if args.quick else (100, 20)
@@ -182,7 +197,7 @@ def bench_endpoint():
 
 
 BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
-           "endpoint": bench_endpoint}
+           "endpoint": bench_endpoint, "eval": bench_eval}
 if __name__ == "__main__":  # not in a rollout process a section spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")
