@@ -967,4 +967,6 @@ def log_tail(path, n_bytes=3000):
     """'; last lines of <path>: ...' for error messages ('' when there is no log)."""
     if not path or not os.path.isfile(path):
         return ""
-    return f"; last lines of {path}:\n" + open(path, "rb").read()[-n_bytes:].decode(errors="replace")
+    with open(path, "rb") as f:  # a server's log grows all run: read its tail only
+        f.seek(max(0, os.path.getsize(path) - n_bytes))
+        return f"; last lines of {path}:\n" + f.read().decode(errors="replace")

@@ -401,7 +401,8 @@ class Logger:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
         open(self.path, "w").writelines(x for x in lines if cfg.eval_only or json.loads(x)["step"] <= step)
-        json.dump(config.to_dict(cfg), open(os.path.join(os.path.dirname(self.path), "config.json"), "w"), indent=2)
+        with open(os.path.join(os.path.dirname(self.path), "config.json"), "w") as f:  # closed: others read it now
+            json.dump(config.to_dict(cfg), f, indent=2)
         if cfg.wandb_project:
             import wandb
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
