@@ -425,9 +425,9 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
                     version=link.version, lock=link.lock)
     if link.servers is not None:
         engine = ServerEngine(cfg.engine, [u for u, _ in link.servers], logs=[log for _, log in link.servers],
-                              model_config=model_cfg, weights_dir=os.path.join(cfg.out_dir, "engine_weights"),
+                              weights_dir=os.path.abspath(os.path.join(cfg.out_dir, "engine_weights")),
                               timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, weights=link.weights,
-                              sync=cfg.weight_sync, **sampling)
+                              sync=cfg.weight_sync, model_config=model_cfg, **sampling)
     else:
         copy = torch.cuda.is_available() or cfg.dtype != "float32"  # on CPU in float32 the parameters ARE the
         with contextlib.nullcontext() if copy else torch.device("meta"):  # shared tensors: nothing to copy

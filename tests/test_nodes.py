@@ -81,3 +81,23 @@ def test_two_torchrun_nodes_train_as_one_process(tmp_path):
                   (init, tmp_path / "node0" / "ckpt", tmp_path / "one" / "ckpt"))
     assert w2.keys() == w1.keys() and all((w2[k] - w1[k]).abs().max() <= 1e-5 for k in w2)
     assert max((w2[k] - w0[k]).abs().max() for k in w2) > 1e-3  # trained: 3 steps of lr 5e-4 moved the weights
+
+
+def test_a_server_elsewhere_is_sent_weight_paths_it_can_open_from_its_own_working_directory(tmp_path):
+    """Disk weight sync with --server_urls: the server (here a stand-in in this process, whose working directory is
+    not the trainer's, as on another machine) opens the directory the trainer names; a relative out_dir named a
+    path relative to the trainer's working directory, which the server looked for in its own."""
+    from test_servers import FakeSGLang
+    fake, cwd = FakeSGLang(384, layers=4, top_k=2), tmp_path / "trainer"  # the tiny model's vocabulary and routing
+    cwd.mkdir()
+    try:
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
+                            os.path.join(ROOT, "configs", "guess.py"), "--out_dir=run", "--engine=sglang",
+                            "--weight_sync=disk", f"--server_urls={fake.url}", "--max_steps=2", "--prompts_per_step=2",
+                            "--max_staleness=0", "--eval_every=0"], env=ENV, cwd=cwd, capture_output=True, text=True,
+                           timeout=240)
+    finally:
+        fake.close()
+    paths = [b["model_path"] for b in fake.calls("/update_weights_from_disk")]
+    assert r.returncode == 0, (paths, r.stderr[-3000:])
+    assert paths[0] == str(cwd / "run" / "engine_weights" / "v0") and len(paths) >= 2, paths  # then newer versions
