@@ -789,10 +789,9 @@ class ServerEngine:
             self.hf = to_hf_state(weights | lm_head, dataclasses.replace(c, tie_word_embeddings=False))
         self.version = version.value if version is not None else 0  # tokens are tagged with it
         self.group = self.meta = self.loaded = self.failed = None  # loaded: the servers' version (None: unknown)
-        self.open, self.idle = asyncio.Event(), asyncio.Event()  # admitting requests; none in flight
-        self.idle.set()
+        self.open = asyncio.Event()  # admitting requests
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
-        self.calls, self.in_flight, self.tokens_generated = itertools.count(), 0, 0
+        self.calls, self.in_flight, self.tokens_generated = itertools.count(), set(), 0  # in_flight: answers' futures
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
     async def generate(self, ids, max_new_tokens=None, key=None, sampling=None) -> Completion:
@@ -803,11 +802,7 @@ class ServerEngine:
         version, i = self.version, next(self.calls)
         seed = int(uniform([[self.seed, *(key or (-1, i))]])[0] * 2**31)  # per request, as the torch engine's
         p = dict(self.params, max_new_tokens=max_new, seed=seed) | (sampling or {})  # draws (sampling_seed, seed)
-        self._count(+1)
-        try:
-            out, logprobs, experts = await self._submit(i % len(self.urls), [*ids], p)
-        finally:
-            self._count(-1)
+        out, logprobs, experts = await self._submit(i % len(self.urls), [*ids], p)
         self.tokens_generated += len(out)
         routing = None
         if experts is not None and self.moe_layers:  # every fed position: (T-1, layers, k)
@@ -819,12 +814,16 @@ class ServerEngine:
         return Completion(out, logprobs, [version] * len(out), routing)
 
     def _submit(self, k, ids, p):
-        """-> a future of server k's answer; where it takes lists, the requests of an event-loop tick share a call."""
+        """-> a future of server k's answer, in flight until done (or cancelled with its agent); where it takes lists,
+        the requests of an event-loop tick share a call."""
         if not self.queued[k] or not self.api["batched"]:
             self.queued[k] = []
             asyncio.ensure_future(self._send(k, self.queued[k]))  # held by the loop, then by its HTTP call
-        self.queued[k].append((ids, p, asyncio.get_running_loop().create_future()))
-        return self.queued[k][-1][2]
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(self.in_flight.discard)
+        self.in_flight.add(fut)
+        self.queued[k].append((ids, p, fut))
+        return fut
 
     async def _send(self, k, batch):
         self.queued[k] = [] if self.queued[k] is batch else self.queued[k]  # closed: later requests start the next
@@ -835,11 +834,6 @@ class ServerEngine:
         for (*_, fut), out in zip(batch, outs):
             if not fut.done():  # its agent was cancelled meanwhile
                 fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
-
-    def _count(self, d):
-        """Requests in flight: `idle` is set when there are none."""
-        self.in_flight += d
-        self.idle.set() if self.in_flight == 0 else self.idle.clear()
 
     async def _call(self, k, fn, *args):
         """fn(url of server k, *args) in a thread; any failure is a ServerError naming the server, with its log."""
@@ -860,7 +854,8 @@ class ServerEngine:
             target = self.shared_version.value if self.shared_version is not None else self.version
             if target != self.loaded:
                 self.open.clear()
-                await self.idle.wait()
+                if self.in_flight:
+                    await asyncio.wait(self.in_flight)
                 if self.hf is not None:
                     target = await self._sync_in_memory()  # the trainer may have published again meanwhile
                 else:

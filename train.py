@@ -144,10 +144,9 @@ def collate(msgs, device):
     """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k) with -1 padding."""
     def pad(key, value):
         return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value)
-    routed = msgs[0]["routing"] is not None
     b = {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
-         "rollout_logp": pad("logprobs", 0.0), "images": None,
-         "routing": pad("routing", -1).permute(2, 0, 1, 3) if routed else None}  # (B, T, L, k) -> (L, B, T, k)
+         "rollout_logp": pad("logprobs", 0.0), "images": None,  # routing: (B, T, L, k) -> (L, B, T, k)
+         "routing": pad("routing", -1).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None}
     if images := [m["images"] for m in msgs if m.get("images") is not None]:  # (N_b, C, H, W) each, in row order
         b["images"] = torch.cat(images)  # the pixels the engine saw
     for row, m, msg in zip(b["ids"], b["loss_mask"].bool(), msgs):  # token identity: we train what was sampled
@@ -481,15 +480,11 @@ def take_batch(cfg, ro, version, counters):
 
 
 def main(argv=None):
-    """The run, top to bottom. Two kinds of process: this trainer (one per rank under torchrun) and, beside
-    rank 0, the rollout process, whose engine samples the agents' episodes with the latest weights it was handed.
-    Each step: (1) rank 0 takes a batch of whole groups from the rollout queue, each episode sampled at most
-    max_staleness versions ago; (2) advantages per group, and each rank's share of the episodes; (3) every rank
-    recomputes its episodes' logprobs under the current weights, with the engine's routing and sampling filter, so
-    that the difference to the engine's own logprobs is only the weights' age (logged as mismatch/); (4) losses and
-    optimizer steps over mini-batches; (5) the new weights are published to the engine as the next version while
-    it keeps sampling (async RL), then the metrics line, an evaluation every eval_every steps, checkpoints.
-    A signal, or the rollout process dying, ends the loop at a step boundary, with a checkpoint."""
+    """The run, top to bottom, each step as the module docstring says. Two kinds of process: this trainer (one per rank
+    under torchrun) and, beside rank 0, the rollout process, whose engine keeps sampling the agents' episodes (async RL)
+    with the latest weights it was handed. Rank 0 deals each rank its share; every rank recomputes with the engine's
+    routing and filter, so the difference to the engine's logprobs is only the weights' age (mismatch/). An evaluation
+    every eval_every steps; a signal, or the rollout process dying, ends the loop at a step boundary, checkpointed."""
     cfg = config.load(argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name, at=time.monotonic()))

@@ -696,7 +696,7 @@ def test_sglang_weight_update_takes_effect_after_running_requests(sglang_server,
     async def scenario():
         before = [await e.generate(p) for p in prompts]  # (the server may hold another test's weights: v0 first)
         running = asyncio.create_task(e.generate(long_prompt, max_new_tokens=200))
-        while e.in_flight == 0:  # publish as soon as it runs: 200 tokens take the CPU server well over 0.1 s
+        while not e.in_flight:  # publish as soon as it runs: 200 tokens take the CPU server well over 0.1 s
             await asyncio.sleep(0.001)
         assert not running.done()
         t0 = time.monotonic()
