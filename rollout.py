@@ -814,7 +814,7 @@ class ServerEngine:
         return Completion(out, logprobs, [version] * len(out), routing)
 
     def _submit(self, k, ids, p):
-        """-> a future of server k's answer, kept in in_flight; where it takes lists, a loop tick's requests share a call."""
+        """-> a future of server k's answer, in in_flight till done; a loop tick's requests share a batched call."""
         if not self.queued[k] or not self.api["batched"]:
             self.queued[k] = []
             asyncio.ensure_future(self._send(k, self.queued[k]))  # held by the loop, then by its HTTP call
