@@ -598,18 +598,14 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
                        args=(cfg, model_cfg, link, start_index, tokenizer_dir, state))
     proc.start()
-    return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write,
-                   cfg.deterministic, link.evals)
+    return Rollout(proc, link, procs, None if memory else write, cfg.deterministic)
 
 
 class Rollout:
-    """The trainer's handle on the rollout process (and on the inference servers it started)."""
-    def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None, deterministic=False,
-                 evals=None):
-        self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
-        self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
+    """The trainer's handle on the rollout process (and on the inference servers it started); link: start_rollout's."""
+    def __init__(self, proc, link, servers=(), write=None, deterministic=False):
+        self.proc, self.link, self.servers, self.write = proc, link, servers, write  # servers: [(process, log path)]
         self.held, self.idle, self.deterministic = deque(), None, deterministic  # held: settled groups, untrained
-        self.evals = evals  # (the version to evaluate, the queue its metrics come back on)
 
     def get(self, timeout=1.0, stop=lambda: None):
         """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
@@ -623,7 +619,7 @@ class Rollout:
         """deterministic: wait for the rollout to report that all the published version admitted has ended, every
         drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`); None
         once stop() is true (a signal: episodes may run up to episode_timeout, longer than a preemption's grace)."""
-        while self.idle is None or self.idle["idle"] != (self.version.value, self.dropped.value):
+        while self.idle is None or self.idle["idle"] != (self.link.version.value, self.link.dropped.value):
             if stop():
                 return None
             if (item := self._next(1.0)) is not None:  # a group (packed: the checkpoint saves it so) or the report
@@ -634,17 +630,17 @@ class Rollout:
 
     def evaluate(self, version):
         """Ask the rollout process to evaluate weights `version`, the ones just published (see evaluate)."""
-        self.evals[0].value = version
+        self.link.evals[0].value = version
 
     def eval_result(self):
         """-> the eval/ metrics asked for last; waits (the next publish must not come before they are sampled)."""
-        while (m := self._next(1.0, self.evals[1])) is None:
+        while (m := self._next(1.0, self.link.evals[1])) is None:
             pass
         return m
 
     def _next(self, timeout, q=None):
         try:
-            return (self.q if q is None else q).get(timeout=timeout)
+            return (self.link.out_q if q is None else q).get(timeout=timeout)
         except (OSError, EOFError) as e:  # the sender died while the item's tensors were being handed over
             raise RuntimeError(f"rollout process died while sending episodes ({e!r})") from e
         except queue_mod.Empty:
@@ -660,22 +656,22 @@ class Rollout:
         memory: the rollout process broadcasts them), or written as a directory the servers load (disk)."""
         if self.write is not None:
             self.write(version, state)
-            self.version.value = version
+            self.link.version.value = version
             return
-        while not self.lock.acquire(timeout=1.0):  # a process killed inside a forward never releases it
+        while not self.link.lock.acquire(timeout=1.0):  # a process killed inside a forward never releases it
             if self.proc is not None and not self.proc.is_alive():
                 raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}) holding the weights lock")
         try:
             for k, t in state.items():
-                self.shared[k].copy_(t)
-            self.version.value = version
+                self.link.weights[k].copy_(t)
+            self.link.version.value = version
         finally:
-            self.lock.release()
+            self.link.lock.release()
 
     def drop(self, n):
         """The trainer dropped n groups (all their episodes too stale): let the rollout start n more."""
-        with self.dropped.get_lock():
-            self.dropped.value += n
+        with self.link.dropped.get_lock():
+            self.link.dropped.value += n
 
     def close(self):
         if self.proc.is_alive():

@@ -579,8 +579,8 @@ def main(argv=None):
                 settled = ro.settle(lambda: STOP["signal"] and time.monotonic() - STOP["at"] > cfg.stop_grace)
                 if settled is None:  # the checkpoint then resumes as a non-deterministic run does
                     print(f"{STOP['signal']}: episodes still running after stop_grace: the resume will not be exact")
-                state["resume"] = settled and {"rollout": settled, "held": list(ro.held), "dropped": ro.dropped.value,
-                                               "counters": dict(counters)}  # live: a resume counts again
+                state["resume"] = settled and {"rollout": settled, "held": list(ro.held), "counters": dict(counters),
+                                               "dropped": ro.link.dropped.value}  # counters live: a resume counts again
             t_eval = time.perf_counter()
             held = log_held(logger, ro, held)  # the last version's evaluation ends before its weights do
             t_sync = time.perf_counter()
