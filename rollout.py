@@ -123,8 +123,7 @@ class _Request:
 
 
 class TorchEngine:
-    """Embedded engine: `await generate(ids)` from many agents; one `step()` runs one prefill (new rows) and one
-    decode (all rows). A finished row's slot is refilled at the next step."""
+    """Embedded engine: `await generate(ids)` from many agents, batched continuously over a slot KV cache (step)."""
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
                  max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None, chunk_tokens=8192):
         self.model, self.c = model.eval(), model.config
@@ -552,9 +551,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             if failed or isinstance(err, ServerError):  # not the agent's fault, and every later call would fail too
                 raise failed or err
             if err is None:
-                msgs = t.result()
-                for m in msgs:
-                    m["stats"] = dict(counts, tokens_generated=engine.tokens_generated)
+                msgs = [m | {"stats": dict(counts, tokens_generated=engine.tokens_generated)} for m in t.result()]
             else:
                 key = "agent_timeouts" if isinstance(err, asyncio.TimeoutError) else \
                     "malformed" if isinstance(err, Malformed) else "agent_errors"
@@ -575,8 +572,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
 
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, state=None, dropped=0):
-    """Start the rollout process (trainer rank 0; state, dropped: a checkpoint's), and the servers unless
-    cfg.server_urls names them. Weights go to shared memory (torch, sglang in memory) or a directory per version."""
+    """Rank 0: the rollout process, and the servers unless server_urls names them (state, dropped: a checkpoint's)."""
     ctx, procs, servers, write = mp.get_context("spawn"), [], None, None
     memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
     shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()} \
@@ -681,8 +677,7 @@ class Rollout:
             stop_server(p)
 
 # ---- server engines: vLLM and SGLang over HTTP ----
-# Servers (own processes, own Python, or other machines) behind `await generate(ids)`. New weights: admission
-# closes, running requests finish under the old version, every server moves to the new one, admission reopens.
+# Servers (own processes, own Python, or other machines) behind `await generate(ids)`; new weights: ServerEngine.run.
 # weight_sync "gloo" (CPU servers) / "nccl" (GPU): SGLang in memory, the rollout process broadcasting the shared
 # tensors `publish` fills (rank 0; server k: rank k + 1, tp 1). "disk" (vLLM; others): a directory per version.
 
@@ -891,9 +886,8 @@ class ServerEngine:
                 for t in self.hf.values():
                     self.group.broadcast(t.contiguous() if gloo else t.cuda(), 0).wait()
                 return self.shared_version.value
-        version, *_ = await asyncio.gather(loop.run_in_executor(self.pool, broadcast), *(
-            self._call(k, sglang_receive, self.meta, self.timeout) for k in range(n)))
-        return version
+        return (await asyncio.gather(loop.run_in_executor(self.pool, broadcast), *(
+            self._call(k, sglang_receive, self.meta, self.timeout) for k in range(n))))[0]  # broadcast's version
 
 
 def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
@@ -911,8 +905,7 @@ def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
 
 
 def start_server(kind, model_dir, cfg, log, moe=False):
-    """Start a server as a child process (in its own process group, so stop_server reaches its workers),
-    output to `log`, and wait until it is healthy. -> (process, url)"""
+    """Start a server (its own process group: see stop_server), output to `log`; wait until healthy -> (process, url)"""
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

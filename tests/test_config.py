@@ -64,7 +64,7 @@ def assert_names(excinfo, key):
     (["--correction=magic"], "correction"), (["--aggregation=sum"], "aggregation"),
     (["--kl_estimator=k4"], "kl_estimator"), (["--engine=tgi"], "engine"),
     (["--temperature=0"], "temperature"), (["--temperature=-1"], "temperature"),
-    (["--tiny_vision=true", "--engine=vllm"], "engine"),
+    (["--tiny_vision=true", "--engine=vllm"], "engine"), (["--guess_max=12"], "guess_max"),
     (["--config"], "--config"), (["stray"], "stray"),
 ])
 def test_bad_command_line(argv, key):
