@@ -399,8 +399,7 @@ def unpack(item):
 
 
 def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, state):
-    """Entry of the rollout process. link (start_rollout): weights (shared; None on disk), version, lock, out_q,
-    dropped, servers ([(url, log path or None)] or None: the torch engine)."""
+    """The rollout process's entry; link: start_rollout's (servers: [(url, log path or None)], None: torch engine)."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a trainer killed with -9 takes this process along
     if os.getppid() != mp.parent_process().pid:  # ... also if it died before the line above ran
         os._exit(1)
@@ -670,8 +669,7 @@ class Rollout:
             self.link.dropped.value += n
 
     def close(self):
-        if self.proc.is_alive():
-            self.proc.kill()
+        self.proc.kill()  # (a no-op on one that has ended)
         self.proc.join(timeout=10)
         for p, _ in self.servers:
             stop_server(p)

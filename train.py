@@ -155,8 +155,7 @@ def collate(msgs, device):
     return {k: (v.to(device) if v is not None else None) for k, v in b.items()} | {"index": [m["index"] for m in msgs]}
 
 
-# A rank with no episode in a micro-batch still runs it (FSDP's collectives pair up forward by forward, the
-# reference's too): on one row of two untrained tokens, which adds exactly nothing to loss and gradients.
+# An empty micro-batch (split_batch) still runs, the reference's forward too, on two untrained tokens: it adds exactly 0
 EMPTY = {"ids": torch.zeros(2, dtype=torch.long), "loss_mask": torch.zeros(2), "versions": torch.full((2,), -1),
          "logprobs": torch.zeros(2), "routing": None, "engine_ids": torch.zeros(0, dtype=torch.long), "index": -1}
 
@@ -395,7 +394,7 @@ class Logger:
     logger) and, with wandb_project, to a W&B run (wandb imported only then): the config once, a resumed run continuing
     its id (the checkpoints carry it). One console line each: where the run is, its reward, evaluation, speed, ETA."""
     def __init__(self, cfg, step, state):
-        self.cfg, self.start, self.t0, self.wandb = cfg, step, time.perf_counter(), None
+        self.cfg, self.start, self.t0, self.to_wandb = cfg, step, time.perf_counter(), lambda m, step: None
         self.path = os.path.join(cfg.out_dir, "eval" * cfg.eval_only, "metrics.jsonl")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
@@ -404,15 +403,14 @@ class Logger:
             json.dump(config.to_dict(cfg), f, indent=2)
         if cfg.wandb_project:
             import wandb
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
-                                    resume="allow", config=config.to_dict(cfg), dir=cfg.out_dir)
-            state["wandb_id"] = self.wandb.id
+            run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
+                             resume="allow", config=config.to_dict(cfg), dir=cfg.out_dir)
+            state["wandb_id"], self.to_wandb = run.id, run.log
 
     def log(self, m):
         with open(self.path, "a") as f:
             f.write(json.dumps(m) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(m, step=m["step"])
+        self.to_wandb(m, step=m["step"])
         t, k, mm = time.perf_counter() - self.t0, self.cfg.eval_samples, m.get("mismatch/logprob_abs_diff")
         rate, hms = (m["step"] - self.start) / t, lambda s: str(datetime.timedelta(seconds=round(s)))
         parts = [f"step {m['step']:4d}/{self.cfg.max_steps}"] + ([  # (an evaluation's own line has no reward)
