@@ -147,11 +147,6 @@ class Config:
                 raise ValueError(f"config: {key}={getattr(self, key)!r} {why}")
 
 
-def field_docs():
-    """The trailing comment of each field, read from this file's source (one place for the docs)."""
-    return dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", open(__file__).read(), re.M))
-
-
 def _coerce(key, value, typ, cli=False):
     """A config file's Python value, or (cli=True) a command-line string, as typ; a file's "10" is no int."""
     given = value
@@ -184,7 +179,7 @@ def load(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     types_ = {f.name: f.type for f in fields(Config)}
     if "--help" in argv or "-h" in argv:
-        docs = field_docs()
+        docs = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", open(__file__).read(), re.M))  # each field's comment
         print("usage: train.py [--config configs/x.py] [--key=value ...]\n")
         print("\n".join(f"  --{f.name}={f.default!r:<14} {docs.get(f.name, '')}" for f in fields(Config)))
         sys.exit(0)

@@ -328,8 +328,7 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
         "grad/norm": sum(finite) / len(finite) if finite else math.nan, "train/updates": n,
         "train/skipped_steps": counters["skipped_steps"], **{f"time/{k}": v for k, v in times.items()},
         "throughput/rollout_tokens_per_s": rollout_rate, "throughput/train_tokens_per_s": s["tokens"] / times["train"],
-        **{f"rollout/{k}": stats[k] for k in rollout.COUNTS},
-        **{f"rollout/{k}": counters[k] for k in ("dropped_stale", "filtered_groups")},
+        **{f"rollout/{k}": (stats | counters)[k] for k in (*rollout.COUNTS, "dropped_stale", "filtered_groups")},
         **{f"episode/{k}": sum(m["info"].get(k, 0.0) for m in episodes) / len(episodes)
            for k in sorted({k for m in episodes for k in m["info"]})},
     }
