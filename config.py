@@ -194,8 +194,7 @@ def load(argv=None):
             raise ValueError(f"config: unknown key {k!r} (see --help)")
         else:
             overrides.append((k, v if eq else "true"))  # a bare flag: --resume
-    # the command line wins over the file
-    return Config(**values | {k: _coerce(k, v, types_[k], cli=True) for k, v in overrides})
+    return Config(**values | {k: _coerce(k, v, types_[k], cli=True) for k, v in overrides})  # the command line wins
 
 
 def to_dict(cfg):

@@ -98,8 +98,7 @@ def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor
     (https://arxiv.org/abs/2503.14476), room to raise rare tokens' probability. dual_clip = c > 1 caps the loss of A < 0
     tokens at -c A, Ye et al. 2020 (https://arxiv.org/abs/1912.09729). Masked."""
     ratio = _clamp(logp - old_logp).exp()  # [B, T]
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    unclipped, clipped = ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     was_clipped = clipped < unclipped  # min chose the flat branch: no gradient for this token
     if dual_clip is not None:

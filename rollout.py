@@ -496,8 +496,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     # base: the window's origin in groups, one later for each group that failed whole
     counts = {"index": first * G, "base": first - engine.version * P} | dict.fromkeys(COUNTS, 0) | (state or {})
     index, base, in_a_row, running, groups, idle = counts.pop("index"), counts.pop("base"), 0, {}, {}, None
-    asked, evaluation = -1, None
-    pending = deque()  # finished groups waiting for room in the queue (back-pressure)
+    asked, evaluation, pending = -1, None, deque()  # pending: finished groups waiting for queue room (back-pressure)
     knobs = {k: getattr(cfg, k) for k in KNOBS}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k),
                                   engine.stop_ids)

@@ -235,8 +235,7 @@ def micro_loss(model, b, cfg, counts, adv, world):
         per_tok = per_tok + cfg.kl_coef * kl
     loss = est.AGGREGATIONS[cfg.aggregation](per_token=per_tok, loss_mask=mask, num_tokens=max(counts[0], 1),
                                              num_seqs=max(counts[1], 1), norm_const=cfg.max_new_tokens * cfg.max_turns)
-    # (MoE) this micro-batch's load-balancing loss by its share of the update's episodes
-    n_real = sum(i >= 0 for i in b["index"])
+    n_real = sum(i >= 0 for i in b["index"])  # (MoE) the load-balancing loss by this micro-batch's share of episodes
     aux = model.aux_loss * n_real / max(counts[1], 1) if model.aux_loss is not None else torch.zeros(())
     n_tok = mask.sum()
     flips = model.flips if model.flips is not None else torch.zeros(2)
@@ -255,8 +254,7 @@ def consistency(b, old_logp, version, max_staleness):
     sampled, before any update. -> (CONSISTENCY_KEYS + staleness histogram as one float64 vector, max staleness)"""
     sel, versions, rollout_logp = b["loss_mask"][:, 1:].bool(), b["versions"][:, 1:], b["rollout_logp"][:, 1:]
     stale, fresh = (version - versions)[sel], sel & (versions == version)
-    d = (old_logp - rollout_logp)[fresh]
-    kl = est.kl_k3(logp=rollout_logp[fresh], ref_logp=old_logp[fresh])
+    d, kl = (old_logp - rollout_logp)[fresh], est.kl_k3(logp=rollout_logp[fresh], ref_logp=old_logp[fresh])
     hist = torch.bincount(stale.clamp(max=max_staleness), minlength=max_staleness + 1)
     vec = torch.cat([torch.stack([sel.sum(), d.abs().sum(), kl.sum(), fresh.sum(), stale.sum()]).double(), hist])
     return vec, int(stale.max()) if stale.numel() else 0
