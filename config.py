@@ -4,6 +4,7 @@ combinations fail before anything starts, naming the key."""
 import ast
 import contextlib
 import re
+import runpy
 import sys
 import types
 from dataclasses import asdict, dataclass, fields
@@ -165,10 +166,7 @@ def read_file(path, types_):
     """A config file's assignments (names without a leading underscore, modules aside), each checked."""
     if not path:
         raise ValueError("config: --config needs a path (--config configs/x.py)")
-    scope = {}
-    with open(path) as f:
-        exec(compile(f.read(), path, "exec"), scope)
-    scope = {k: v for k, v in scope.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+    scope = {k: v for k, v in runpy.run_path(path).items() if k[0] != "_" and not isinstance(v, types.ModuleType)}
     if unknown := next((k for k in scope if k not in types_), None):
         raise ValueError(f"config: unknown key {unknown!r} in {path}")
     return {k: _coerce(k, v, types_[k]) for k, v in scope.items()}
