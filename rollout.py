@@ -327,8 +327,7 @@ def check_tokens(ep, calls):
     for prompt, c, images in calls:
         p, n = len(prompt), len(c.ids)
         if not n == len(c.logprobs) == len(c.versions):
-            raise ValueError(f"completion lengths differ: ids {n}, logprobs {len(c.logprobs)}, "
-                             f"versions {len(c.versions)}")
+            raise ValueError(f"sampled lengths differ: ids {n}, logprobs {len(c.logprobs)}, versions {len(c.versions)}")
         if not all(math.isfinite(lp) and v >= 0 for lp, v in zip(c.logprobs, c.versions)):
             raise ValueError(f"a sampled token at position {p} has a non-finite logprob or no policy version")
         if ep.ids[:p] != prompt or ep.ids[p:p + n] != c.ids or not all(ep.loss_mask[p:p + n]):
@@ -561,8 +560,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                 pending.extend([pack(kept)] if kept else [])
                 base, in_a_row = (base, 0) if kept else (base + 1, in_a_row + 1)  # a failed group frees its place
                 if in_a_row >= cfg.max_failed_groups:  # an agent that always fails would have us spin for good
-                    raise RuntimeError(f"{in_a_row} groups in a row had no episode that did not fail "
-                                       f"(max_failed_groups); the last error: {err!r}")
+                    raise RuntimeError(f"{in_a_row} groups in a row failed (max_failed_groups); last error: {err!r}")
         with contextlib.suppress(queue_mod.Full):  # what does not fit waits for the trainer to take some
             while pending:
                 out_q.put_nowait(pending[0])
@@ -573,8 +571,7 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
     """Rank 0: the rollout process, and the servers unless server_urls names them (state, dropped: a checkpoint's)."""
     ctx, procs, servers, write = mp.get_context("spawn"), [], None, None
     memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
-    shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()} \
-        if cfg.engine == "torch" or memory else None
+    shared = {k: v.clone().share_memory_() for k, v in weights.items()} if cfg.engine == "torch" or memory else None
     if cfg.engine != "torch":  # the servers start from the first version's directory
         write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
         first = write(start_version, weights)
