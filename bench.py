@@ -68,10 +68,9 @@ def bench_parity():
           [(what, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}", target) for what, a, b, target in rows])
     runs = [[mean(m["reward/mean"] for m in ms[-last:]) for ms in p] + [sum(m["time/step"] for m in ms) for ms in p]
             for p in pairs]  # per seed: async, sync final reward; async, sync wall (the loops', start-up excluded)
-    fa, fs = list(zip(*runs))[:2]
     rows = [(name, f"{a:.3f}", f"{s:.3f}", f"{a - s:+.3f}", f"{wa:.0f} s", f"{ws:.0f} s", f"{wa / ws:.2f}")
             for name, (a, s, wa, ws) in [*zip(range(seeds), runs), ("mean", list(map(mean, zip(*runs))))]]
-    rows += [("sd", f"{stdev(fa):.3f}", f"{stdev(fs):.3f}", "target: mean within ±0.05")]
+    rows += [("sd", *(f"{stdev(r[j] for r in runs):.3f}" for j in (0, 1)), "target: mean within ±0.05")]
     table(f"learning parity: --max_steps={steps}, final reward = mean of the last {last} steps", ["seed",
           "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall", "ratio"], rows)
 

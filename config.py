@@ -4,6 +4,7 @@ combinations fail before anything starts, naming the key."""
 import ast
 import contextlib
 import re
+import runpy
 import sys
 import types
 from dataclasses import asdict, dataclass, fields
@@ -147,11 +148,6 @@ class Config:
                 raise ValueError(f"config: {key}={getattr(self, key)!r} {why}")
 
 
-def field_docs():
-    """The trailing comment of each field, read from this file's source (one place for the docs)."""
-    return dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", open(__file__).read(), re.M))
-
-
 def _coerce(key, value, typ, cli=False):
     """A config file's Python value, or (cli=True) a command-line string, as typ; a file's "10" is no int."""
     given = value
@@ -170,10 +166,7 @@ def read_file(path, types_):
     """A config file's assignments (names without a leading underscore, modules aside), each checked."""
     if not path:
         raise ValueError("config: --config needs a path (--config configs/x.py)")
-    scope = {}
-    with open(path) as f:
-        exec(compile(f.read(), path, "exec"), scope)
-    scope = {k: v for k, v in scope.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+    scope = {k: v for k, v in runpy.run_path(path).items() if k[0] != "_" and not isinstance(v, types.ModuleType)}
     if unknown := next((k for k in scope if k not in types_), None):
         raise ValueError(f"config: unknown key {unknown!r} in {path}")
     return {k: _coerce(k, v, types_[k]) for k, v in scope.items()}
@@ -184,7 +177,7 @@ def load(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     types_ = {f.name: f.type for f in fields(Config)}
     if "--help" in argv or "-h" in argv:
-        docs = field_docs()
+        docs = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", open(__file__).read(), re.M))  # each field's comment
         print("usage: train.py [--config configs/x.py] [--key=value ...]\n")
         print("\n".join(f"  --{f.name}={f.default!r:<14} {docs.get(f.name, '')}" for f in fields(Config)))
         sys.exit(0)
@@ -199,8 +192,7 @@ def load(argv=None):
             raise ValueError(f"config: unknown key {k!r} (see --help)")
         else:
             overrides.append((k, v if eq else "true"))  # a bare flag: --resume
-    # the command line wins over the file
-    return Config(**values | {k: _coerce(k, v, types_[k], cli=True) for k, v in overrides})
+    return Config(**values | {k: _coerce(k, v, types_[k], cli=True) for k, v in overrides})  # the command line wins
 
 
 def to_dict(cfg):

@@ -20,15 +20,15 @@ def _masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def _safe_exp(log_ratio: Tensor) -> Tensor:
+def _clamp(log_ratio: Tensor) -> Tensor:
     # clamp *before* exp: exp(100) is inf in fp32, and inf * 0 in backward is NaN even where a mask drops it
-    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 # ---- advantages: per-episode scalars from per-episode rewards ----
 # rewards, group_ids: [N] (a prompt's episodes share an int id; sizes vary) -> [N], spread over sampled tokens
 def _centre(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Reward minus its group mean, the group's unbiased std and the group's size, each [N]."""
+    """Reward minus its group mean, the group's unbiased std (0 for a group of one) and the group's size, each [N]."""
     ids, idx = torch.unique(group_ids, return_inverse=True)  # idx: [N], dense group index in 0..G-1
     zeros = rewards.new_zeros(len(ids))  # [G]
     # Shift each group by its own max first so an all-equal group is exactly 0 before any sum:
@@ -36,8 +36,7 @@ def _centre(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]
     shifted = rewards - zeros.scatter_reduce(0, idx, rewards, "amax", include_self=False)[idx]  # [N], group max 0
     count = zeros.index_add(0, idx, torch.ones_like(rewards))  # [G]
     dev = shifted - (zeros.index_add(0, idx, shifted) / count)[idx]  # [N]
-    var = zeros.index_add(0, idx, dev**2) / (count - 1).clamp(min=1)  # [G], a group of one has var 0
-    return dev, var.sqrt()[idx], count[idx]
+    return dev, (zeros.index_add(0, idx, dev**2) / (count - 1).clamp(min=1)).sqrt()[idx], count[idx]
 
 
 def grpo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
@@ -98,9 +97,8 @@ def ppo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor
     with r = pi/pi_old clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's clip-higher
     (https://arxiv.org/abs/2503.14476), room to raise rare tokens' probability. dual_clip = c > 1 caps the loss of A < 0
     tokens at -c A, Ye et al. 2020 (https://arxiv.org/abs/1912.09729). Masked."""
-    ratio = _safe_exp(logp - old_logp)  # [B, T]
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    ratio = _clamp(logp - old_logp).exp()  # [B, T]
+    unclipped, clipped = ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     was_clipped = clipped < unclipped  # min chose the flat branch: no gradient for this token
     if dual_clip is not None:
@@ -116,7 +114,7 @@ def gspo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tenso
     its sampled tokens, padding excluded), clipped as in ppo() (the paper: ~3e-4 / 4e-4). GSPO-token form: every token
     gets the value s and the gradient s * grad logp_t, so under seq_mean_token_mean the gradient is exactly GSPO's; a
     whole sequence clips together. Masked."""
-    seq_log_ratio = _masked_mean((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), loss_mask, -1)  # [B]
+    seq_log_ratio = _masked_mean(_clamp(logp - old_logp), loss_mask, -1)  # [B]
     # value sg(s), gradient flows through each token's own logp; logp - logp.detach() is exactly 0
     return ppo(logp=seq_log_ratio.detach()[:, None] + logp - logp.detach(), old_logp=torch.zeros_like(logp),
                advantages=advantages, loss_mask=loss_mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
@@ -128,7 +126,7 @@ def cispo(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tens
     logp clips the importance *weight*, not the update: clipped tokens (PPO drops them, and the rare "fork" tokens with
     them) still get gradient. The paper bounds only above: clip_low >= 1. clip_frac: tokens out of either bound;
     dual_clip is ignored (the weight is bounded). Only the gradient is meaningful; masked."""
-    ratio = _safe_exp(logp - old_logp)  # [B, T]
+    ratio = _clamp(logp - old_logp).exp()  # [B, T]
     weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
     clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
     return -weight * advantages * logp * loss_mask, _masked_mean(clipped, loss_mask)
@@ -143,14 +141,14 @@ POLICY_LOSSES = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
 def tis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
     """Truncated IS per token, min(ratio, high): Yao et al. 2025 (https://fengyao.notion.site/off-policy-rl),
     after IMPALA's truncation (https://arxiv.org/abs/1802.01561). low is unused; there is no lower bound."""
-    ratio = _safe_exp(old_logp - rollout_logp).detach()  # [B, T]
+    ratio = _clamp(old_logp - rollout_logp).exp().detach()  # [B, T]
     return ratio.clamp(max=high), _masked_mean(ratio > high, loss_mask)
 
 
 def mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
     """Masked IS per token: weight 1 if low <= ratio <= high else 0; drops the token rather than
     trusting a reweighted one. IcePop, Ling Team 2025 (https://arxiv.org/abs/2510.18855)."""
-    ratio = _safe_exp(old_logp - rollout_logp).detach()  # [B, T]
+    ratio = _clamp(old_logp - rollout_logp).exp().detach()  # [B, T]
     keep = (ratio >= low) & (ratio <= high)
     return keep.to(ratio.dtype), _masked_mean(~keep, loss_mask)
 
@@ -159,8 +157,7 @@ def seq_mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: f
     """Sequence-level masked IS, Liu, Li et al. 2025 "When Speed Kills Stability"
     (https://richardli.xyz/post/rl-collapse-training-inference): mis() on each sequence's geometric-mean ratio exp(mean
     log ratio over sampled tokens), which unlike the product does not fail long sequences by length alone."""
-    log_ratio = (old_logp - rollout_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    seq_log_ratio = _masked_mean(log_ratio, loss_mask, -1)[:, None].expand_as(old_logp)  # [B, T], each row its mean
+    seq_log_ratio = _masked_mean(_clamp(old_logp - rollout_logp).detach(), loss_mask, -1)[:, None].expand_as(old_logp)
     return mis(old_logp=seq_log_ratio, rollout_logp=torch.zeros_like(old_logp), loss_mask=loss_mask, low=low, high=high)
 
 
@@ -188,7 +185,7 @@ def kl_k2(*, logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 def kl_k3(*, logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 = exp(r) - 1 - r >= 0. Unbiased and low variance; r is clamped before exp."""
-    r = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    r = _clamp(ref_logp - logp)
     return r.exp() - 1 - r
 
 

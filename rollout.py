@@ -123,8 +123,7 @@ class _Request:
 
 
 class TorchEngine:
-    """Embedded engine: `await generate(ids)` from many agents; one `step()` runs one prefill (new rows) and one
-    decode (all rows). A finished row's slot is refilled at the next step."""
+    """Embedded engine: `await generate(ids)` from many agents, batched continuously over a slot KV cache (step)."""
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
                  max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None, chunk_tokens=8192):
         self.model, self.c = model.eval(), model.config
@@ -328,8 +327,7 @@ def check_tokens(ep, calls):
     for prompt, c, images in calls:
         p, n = len(prompt), len(c.ids)
         if not n == len(c.logprobs) == len(c.versions):
-            raise ValueError(f"completion lengths differ: ids {n}, logprobs {len(c.logprobs)}, "
-                             f"versions {len(c.versions)}")
+            raise ValueError(f"sampled lengths differ: ids {n}, logprobs {len(c.logprobs)}, versions {len(c.versions)}")
         if not all(math.isfinite(lp) and v >= 0 for lp, v in zip(c.logprobs, c.versions)):
             raise ValueError(f"a sampled token at position {p} has a non-finite logprob or no policy version")
         if ep.ids[:p] != prompt or ep.ids[p:p + n] != c.ids or not all(ep.loss_mask[p:p + n]):
@@ -400,8 +398,7 @@ def unpack(item):
 
 
 def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, state):
-    """Entry of the rollout process. link (start_rollout): weights (shared; None on disk), version, lock, out_q,
-    dropped, servers ([(url, log path or None)] or None: the torch engine)."""
+    """The rollout process's entry; link: start_rollout's (servers: [(url, log path or None)], None: torch engine)."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a trainer killed with -9 takes this process along
     if os.getppid() != mp.parent_process().pid:  # ... also if it died before the line above ran
         os._exit(1)
@@ -498,8 +495,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
     # base: the window's origin in groups, one later for each group that failed whole
     counts = {"index": first * G, "base": first - engine.version * P} | dict.fromkeys(COUNTS, 0) | (state or {})
     index, base, in_a_row, running, groups, idle = counts.pop("index"), counts.pop("base"), 0, {}, {}, None
-    asked, evaluation = -1, None
-    pending = deque()  # finished groups waiting for room in the queue (back-pressure)
+    asked, evaluation, pending = -1, None, deque()  # pending: finished groups waiting for queue room (back-pressure)
     knobs = {k: getattr(cfg, k) for k in KNOBS}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k),
                                   engine.stop_ids)
@@ -552,9 +548,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
             if failed or isinstance(err, ServerError):  # not the agent's fault, and every later call would fail too
                 raise failed or err
             if err is None:
-                msgs = t.result()
-                for m in msgs:
-                    m["stats"] = dict(counts, tokens_generated=engine.tokens_generated)
+                msgs = [m | {"stats": dict(counts, tokens_generated=engine.tokens_generated)} for m in t.result()]
             else:
                 key = "agent_timeouts" if isinstance(err, asyncio.TimeoutError) else \
                     "malformed" if isinstance(err, Malformed) else "agent_errors"
@@ -566,8 +560,7 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
                 pending.extend([pack(kept)] if kept else [])
                 base, in_a_row = (base, 0) if kept else (base + 1, in_a_row + 1)  # a failed group frees its place
                 if in_a_row >= cfg.max_failed_groups:  # an agent that always fails would have us spin for good
-                    raise RuntimeError(f"{in_a_row} groups in a row had no episode that did not fail "
-                                       f"(max_failed_groups); the last error: {err!r}")
+                    raise RuntimeError(f"{in_a_row} groups in a row failed (max_failed_groups); last error: {err!r}")
         with contextlib.suppress(queue_mod.Full):  # what does not fit waits for the trainer to take some
             while pending:
                 out_q.put_nowait(pending[0])
@@ -575,12 +568,10 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
 
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, state=None, dropped=0):
-    """Start the rollout process (trainer rank 0; state, dropped: a checkpoint's), and the servers unless
-    cfg.server_urls names them. Weights go to shared memory (torch, sglang in memory) or a directory per version."""
+    """Rank 0: the rollout process, and the servers unless server_urls names them (state, dropped: a checkpoint's)."""
     ctx, procs, servers, write = mp.get_context("spawn"), [], None, None
     memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
-    shared = {k: v.detach().clone().share_memory_() for k, v in weights.items()} \
-        if cfg.engine == "torch" or memory else None
+    shared = {k: v.clone().share_memory_() for k, v in weights.items()} if cfg.engine == "torch" or memory else None
     if cfg.engine != "torch":  # the servers start from the first version's directory
         write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
         first = write(start_version, weights)
@@ -598,18 +589,14 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
                        args=(cfg, model_cfg, link, start_index, tokenizer_dir, state))
     proc.start()
-    return Rollout(proc, link.out_q, shared, link.version, link.lock, link.dropped, procs, None if memory else write,
-                   cfg.deterministic, link.evals)
+    return Rollout(proc, link, procs, None if memory else write, cfg.deterministic)
 
 
 class Rollout:
-    """The trainer's handle on the rollout process (and on the inference servers it started)."""
-    def __init__(self, proc, out_q, shared, version, lock, dropped, servers=(), write=None, deterministic=False,
-                 evals=None):
-        self.proc, self.q, self.shared, self.version, self.lock = proc, out_q, shared, version, lock
-        self.dropped, self.servers, self.write = dropped, servers, write  # servers: [(process, log path)]
+    """The trainer's handle on the rollout process (and on the inference servers it started); link: start_rollout's."""
+    def __init__(self, proc, link, servers=(), write=None, deterministic=False):
+        self.proc, self.link, self.servers, self.write = proc, link, servers, write  # servers: [(process, log path)]
         self.held, self.idle, self.deterministic = deque(), None, deterministic  # held: settled groups, untrained
-        self.evals = evals  # (the version to evaluate, the queue its metrics come back on)
 
     def get(self, timeout=1.0, stop=lambda: None):
         """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
@@ -623,7 +610,7 @@ class Rollout:
         """deterministic: wait for the rollout to report that all the published version admitted has ended, every
         drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`); None
         once stop() is true (a signal: episodes may run up to episode_timeout, longer than a preemption's grace)."""
-        while self.idle is None or self.idle["idle"] != (self.version.value, self.dropped.value):
+        while self.idle is None or self.idle["idle"] != (self.link.version.value, self.link.dropped.value):
             if stop():
                 return None
             if (item := self._next(1.0)) is not None:  # a group (packed: the checkpoint saves it so) or the report
@@ -634,17 +621,17 @@ class Rollout:
 
     def evaluate(self, version):
         """Ask the rollout process to evaluate weights `version`, the ones just published (see evaluate)."""
-        self.evals[0].value = version
+        self.link.evals[0].value = version
 
     def eval_result(self):
         """-> the eval/ metrics asked for last; waits (the next publish must not come before they are sampled)."""
-        while (m := self._next(1.0, self.evals[1])) is None:
+        while (m := self._next(1.0, self.link.evals[1])) is None:
             pass
         return m
 
     def _next(self, timeout, q=None):
         try:
-            return (self.q if q is None else q).get(timeout=timeout)
+            return (self.link.out_q if q is None else q).get(timeout=timeout)
         except (OSError, EOFError) as e:  # the sender died while the item's tensors were being handed over
             raise RuntimeError(f"rollout process died while sending episodes ({e!r})") from e
         except queue_mod.Empty:
@@ -660,33 +647,31 @@ class Rollout:
         memory: the rollout process broadcasts them), or written as a directory the servers load (disk)."""
         if self.write is not None:
             self.write(version, state)
-            self.version.value = version
+            self.link.version.value = version
             return
-        while not self.lock.acquire(timeout=1.0):  # a process killed inside a forward never releases it
+        while not self.link.lock.acquire(timeout=1.0):  # a process killed inside a forward never releases it
             if self.proc is not None and not self.proc.is_alive():
                 raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}) holding the weights lock")
         try:
             for k, t in state.items():
-                self.shared[k].copy_(t)
-            self.version.value = version
+                self.link.weights[k].copy_(t)
+            self.link.version.value = version
         finally:
-            self.lock.release()
+            self.link.lock.release()
 
     def drop(self, n):
         """The trainer dropped n groups (all their episodes too stale): let the rollout start n more."""
-        with self.dropped.get_lock():
-            self.dropped.value += n
+        with self.link.dropped.get_lock():
+            self.link.dropped.value += n
 
     def close(self):
-        if self.proc.is_alive():
-            self.proc.kill()
+        self.proc.kill()  # (a no-op on one that has ended)
         self.proc.join(timeout=10)
         for p, _ in self.servers:
             stop_server(p)
 
 # ---- server engines: vLLM and SGLang over HTTP ----
-# Servers (own processes, own Python, or other machines) behind `await generate(ids)`. New weights: admission
-# closes, running requests finish under the old version, every server moves to the new one, admission reopens.
+# Servers (own processes, own Python, or other machines) behind `await generate(ids)`; new weights: ServerEngine.run.
 # weight_sync "gloo" (CPU servers) / "nccl" (GPU): SGLang in memory, the rollout process broadcasting the shared
 # tensors `publish` fills (rank 0; server k: rank k + 1, tp 1). "disk" (vLLM; others): a directory per version.
 
@@ -789,10 +774,9 @@ class ServerEngine:
             self.hf = to_hf_state(weights | lm_head, dataclasses.replace(c, tie_word_embeddings=False))
         self.version = version.value if version is not None else 0  # tokens are tagged with it
         self.group = self.meta = self.loaded = self.failed = None  # loaded: the servers' version (None: unknown)
-        self.open, self.idle = asyncio.Event(), asyncio.Event()  # admitting requests; none in flight
-        self.idle.set()
+        self.open = asyncio.Event()  # admitting requests
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
-        self.calls, self.in_flight, self.tokens_generated = itertools.count(), 0, 0
+        self.calls, self.in_flight, self.tokens_generated = itertools.count(), set(), 0  # in_flight: answers' futures
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
     async def generate(self, ids, max_new_tokens=None, key=None, sampling=None) -> Completion:
@@ -803,11 +787,7 @@ class ServerEngine:
         version, i = self.version, next(self.calls)
         seed = int(uniform([[self.seed, *(key or (-1, i))]])[0] * 2**31)  # per request, as the torch engine's
         p = dict(self.params, max_new_tokens=max_new, seed=seed) | (sampling or {})  # draws (sampling_seed, seed)
-        self._count(+1)
-        try:
-            out, logprobs, experts = await self._submit(i % len(self.urls), [*ids], p)
-        finally:
-            self._count(-1)
+        out, logprobs, experts = await self._submit(i % len(self.urls), [*ids], p)
         self.tokens_generated += len(out)
         routing = None
         if experts is not None and self.moe_layers:  # every fed position: (T-1, layers, k)
@@ -819,12 +799,15 @@ class ServerEngine:
         return Completion(out, logprobs, [version] * len(out), routing)
 
     def _submit(self, k, ids, p):
-        """-> a future of server k's answer; where it takes lists, the requests of an event-loop tick share a call."""
+        """-> a future of server k's answer, in in_flight till done; a loop tick's requests share a batched call."""
         if not self.queued[k] or not self.api["batched"]:
             self.queued[k] = []
             asyncio.ensure_future(self._send(k, self.queued[k]))  # held by the loop, then by its HTTP call
-        self.queued[k].append((ids, p, asyncio.get_running_loop().create_future()))
-        return self.queued[k][-1][2]
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(self.in_flight.discard)
+        self.in_flight.add(fut)
+        self.queued[k].append((ids, p, fut))
+        return fut
 
     async def _send(self, k, batch):
         self.queued[k] = [] if self.queued[k] is batch else self.queued[k]  # closed: later requests start the next
@@ -835,11 +818,6 @@ class ServerEngine:
         for (*_, fut), out in zip(batch, outs):
             if not fut.done():  # its agent was cancelled meanwhile
                 fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
-
-    def _count(self, d):
-        """Requests in flight: `idle` is set when there are none."""
-        self.in_flight += d
-        self.idle.set() if self.in_flight == 0 else self.idle.clear()
 
     async def _call(self, k, fn, *args):
         """fn(url of server k, *args) in a thread; any failure is a ServerError naming the server, with its log."""
@@ -860,7 +838,8 @@ class ServerEngine:
             target = self.shared_version.value if self.shared_version is not None else self.version
             if target != self.loaded:
                 self.open.clear()
-                await self.idle.wait()
+                if self.in_flight:
+                    await asyncio.wait(self.in_flight)
                 if self.hf is not None:
                     target = await self._sync_in_memory()  # the trainer may have published again meanwhile
                 else:
@@ -901,9 +880,8 @@ class ServerEngine:
                 for t in self.hf.values():
                     self.group.broadcast(t.contiguous() if gloo else t.cuda(), 0).wait()
                 return self.shared_version.value
-        version, *_ = await asyncio.gather(loop.run_in_executor(self.pool, broadcast), *(
-            self._call(k, sglang_receive, self.meta, self.timeout) for k in range(n)))
-        return version
+        return (await asyncio.gather(loop.run_in_executor(self.pool, broadcast), *(
+            self._call(k, sglang_receive, self.meta, self.timeout) for k in range(n))))[0]  # broadcast's version
 
 
 def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
@@ -921,8 +899,7 @@ def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
 
 
 def start_server(kind, model_dir, cfg, log, moe=False):
-    """Start a server as a child process (in its own process group, so stop_server reaches its workers),
-    output to `log`, and wait until it is healthy. -> (process, url)"""
+    """Start a server (its own process group: see stop_server), output to `log`; wait until healthy -> (process, url)"""
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -144,10 +144,9 @@ def collate(msgs, device):
     """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k) with -1 padding."""
     def pad(key, value):
         return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value)
-    routed = msgs[0]["routing"] is not None
     b = {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
-         "rollout_logp": pad("logprobs", 0.0), "images": None,
-         "routing": pad("routing", -1).permute(2, 0, 1, 3) if routed else None}  # (B, T, L, k) -> (L, B, T, k)
+         "rollout_logp": pad("logprobs", 0.0), "images": None,  # routing: (B, T, L, k) -> (L, B, T, k)
+         "routing": pad("routing", -1).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None}
     if images := [m["images"] for m in msgs if m.get("images") is not None]:  # (N_b, C, H, W) each, in row order
         b["images"] = torch.cat(images)  # the pixels the engine saw
     for row, m, msg in zip(b["ids"], b["loss_mask"].bool(), msgs):  # token identity: we train what was sampled
@@ -156,8 +155,7 @@ def collate(msgs, device):
     return {k: (v.to(device) if v is not None else None) for k, v in b.items()} | {"index": [m["index"] for m in msgs]}
 
 
-# A rank with no episode in a micro-batch still runs it (FSDP's collectives pair up forward by forward, the
-# reference's too): on one row of two untrained tokens, which adds exactly nothing to loss and gradients.
+# An empty micro-batch (split_batch) still runs, the reference's forward too, on two untrained tokens: it adds exactly 0
 EMPTY = {"ids": torch.zeros(2, dtype=torch.long), "loss_mask": torch.zeros(2), "versions": torch.full((2,), -1),
          "logprobs": torch.zeros(2), "routing": None, "engine_ids": torch.zeros(0, dtype=torch.long), "index": -1}
 
@@ -237,8 +235,7 @@ def micro_loss(model, b, cfg, counts, adv, world):
         per_tok = per_tok + cfg.kl_coef * kl
     loss = est.AGGREGATIONS[cfg.aggregation](per_token=per_tok, loss_mask=mask, num_tokens=max(counts[0], 1),
                                              num_seqs=max(counts[1], 1), norm_const=cfg.max_new_tokens * cfg.max_turns)
-    # (MoE) this micro-batch's load-balancing loss by its share of the update's episodes
-    n_real = sum(i >= 0 for i in b["index"])
+    n_real = sum(i >= 0 for i in b["index"])  # (MoE) the load-balancing loss by this micro-batch's share of episodes
     aux = model.aux_loss * n_real / max(counts[1], 1) if model.aux_loss is not None else torch.zeros(())
     n_tok = mask.sum()
     flips = model.flips if model.flips is not None else torch.zeros(2)
@@ -257,8 +254,7 @@ def consistency(b, old_logp, version, max_staleness):
     sampled, before any update. -> (CONSISTENCY_KEYS + staleness histogram as one float64 vector, max staleness)"""
     sel, versions, rollout_logp = b["loss_mask"][:, 1:].bool(), b["versions"][:, 1:], b["rollout_logp"][:, 1:]
     stale, fresh = (version - versions)[sel], sel & (versions == version)
-    d = (old_logp - rollout_logp)[fresh]
-    kl = est.kl_k3(logp=rollout_logp[fresh], ref_logp=old_logp[fresh])
+    d, kl = (old_logp - rollout_logp)[fresh], est.kl_k3(logp=rollout_logp[fresh], ref_logp=old_logp[fresh])
     hist = torch.bincount(stale.clamp(max=max_staleness), minlength=max_staleness + 1)
     vec = torch.cat([torch.stack([sel.sum(), d.abs().sum(), kl.sum(), fresh.sum(), stale.sum()]).double(), hist])
     return vec, int(stale.max()) if stale.numel() else 0
@@ -330,8 +326,7 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
         "grad/norm": sum(finite) / len(finite) if finite else math.nan, "train/updates": n,
         "train/skipped_steps": counters["skipped_steps"], **{f"time/{k}": v for k, v in times.items()},
         "throughput/rollout_tokens_per_s": rollout_rate, "throughput/train_tokens_per_s": s["tokens"] / times["train"],
-        **{f"rollout/{k}": stats[k] for k in rollout.COUNTS},
-        **{f"rollout/{k}": counters[k] for k in ("dropped_stale", "filtered_groups")},
+        **{f"rollout/{k}": (stats | counters)[k] for k in (*rollout.COUNTS, "dropped_stale", "filtered_groups")},
         **{f"episode/{k}": sum(m["info"].get(k, 0.0) for m in episodes) / len(episodes)
            for k in sorted({k for m in episodes for k in m["info"]})},
     }
@@ -396,7 +391,7 @@ class Logger:
     logger) and, with wandb_project, to a W&B run (wandb imported only then): the config once, a resumed run continuing
     its id (the checkpoints carry it). One console line each: where the run is, its reward, evaluation, speed, ETA."""
     def __init__(self, cfg, step, state):
-        self.cfg, self.start, self.t0, self.wandb = cfg, step, time.perf_counter(), None
+        self.cfg, self.start, self.t0, self.to_wandb = cfg, step, time.perf_counter(), lambda m, step: None
         self.path = os.path.join(cfg.out_dir, "eval" * cfg.eval_only, "metrics.jsonl")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
@@ -405,15 +400,14 @@ class Logger:
             json.dump(config.to_dict(cfg), f, indent=2)
         if cfg.wandb_project:
             import wandb
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
-                                    resume="allow", config=config.to_dict(cfg), dir=cfg.out_dir)
-            state["wandb_id"] = self.wandb.id
+            run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
+                             resume="allow", config=config.to_dict(cfg), dir=cfg.out_dir)
+            state["wandb_id"], self.to_wandb = run.id, run.log
 
     def log(self, m):
         with open(self.path, "a") as f:
             f.write(json.dumps(m) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(m, step=m["step"])
+        self.to_wandb(m, step=m["step"])
         t, k, mm = time.perf_counter() - self.t0, self.cfg.eval_samples, m.get("mismatch/logprob_abs_diff")
         rate, hms = (m["step"] - self.start) / t, lambda s: str(datetime.timedelta(seconds=round(s)))
         parts = [f"step {m['step']:4d}/{self.cfg.max_steps}"] + ([  # (an evaluation's own line has no reward)
@@ -481,15 +475,11 @@ def take_batch(cfg, ro, version, counters):
 
 
 def main(argv=None):
-    """The run, top to bottom. Two kinds of process: this trainer (one per rank under torchrun) and, beside
-    rank 0, the rollout process, whose engine samples the agents' episodes with the latest weights it was handed.
-    Each step: (1) rank 0 takes a batch of whole groups from the rollout queue, each episode sampled at most
-    max_staleness versions ago; (2) advantages per group, and each rank's share of the episodes; (3) every rank
-    recomputes its episodes' logprobs under the current weights, with the engine's routing and sampling filter, so
-    that the difference to the engine's own logprobs is only the weights' age (logged as mismatch/); (4) losses and
-    optimizer steps over mini-batches; (5) the new weights are published to the engine as the next version while
-    it keeps sampling (async RL), then the metrics line, an evaluation every eval_every steps, checkpoints.
-    A signal, or the rollout process dying, ends the loop at a step boundary, with a checkpoint."""
+    """The run, top to bottom, each step as the module docstring says. Two kinds of process: this trainer (one per rank
+    under torchrun) and, beside rank 0, the rollout process, whose engine keeps sampling the agents' episodes (async RL)
+    with the latest weights it was handed. Rank 0 deals each rank its share; every rank recomputes with the engine's
+    routing and filter, so the difference to the engine's logprobs is only the weights' age (mismatch/). An evaluation
+    every eval_every steps; a signal, or the rollout process dying, ends the loop at a step boundary, checkpointed."""
     cfg = config.load(argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name, at=time.monotonic()))
@@ -584,8 +574,8 @@ def main(argv=None):
                 settled = ro.settle(lambda: STOP["signal"] and time.monotonic() - STOP["at"] > cfg.stop_grace)
                 if settled is None:  # the checkpoint then resumes as a non-deterministic run does
                     print(f"{STOP['signal']}: episodes still running after stop_grace: the resume will not be exact")
-                state["resume"] = settled and {"rollout": settled, "held": list(ro.held), "dropped": ro.dropped.value,
-                                               "counters": dict(counters)}  # live: a resume counts again
+                state["resume"] = settled and {"rollout": settled, "held": list(ro.held), "counters": dict(counters),
+                                               "dropped": ro.link.dropped.value}  # counters live: a resume counts again
             t_eval = time.perf_counter()
             held = log_held(logger, ro, held)  # the last version's evaluation ends before its weights do
             t_sync = time.perf_counter()

@@ -1,7 +1,6 @@
 # Images on CPU: the tiny MoE plus a small vision encoder learns by RL alone to count 1..4 squares in a 16x16
 # image (4x4 patches: the defaults); one sampled token answers. Groups of 8 share an image. README: "Images".
 out_dir = "out/image_count"
-model = "tiny"
 tiny_vision = True
 task = "count"
 max_turns = 1

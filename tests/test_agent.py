@@ -203,8 +203,6 @@ def test_make_task_deterministic_and_grouped():
     assert {t["secret"] for t in tasks} <= set(range(1, 8))
     assert tasks[0]["max_turns"] == 5 and tasks[0]["tool_timeout"] == 2.0 and tasks[0]["tool_memory_mb"] == 64
     assert [key(make_task("guess", i, **{**knobs, "seed": 4})) for i in range(0, 40, 4)] != [key(t) for t in tasks[::4]]
-    with pytest.raises(ValueError, match="guess_max"):
-        make_task("guess", 0, seed=0, group_size=1, guess_max=12)
 
 
 # ---- Episode.validate ----

@@ -5,6 +5,7 @@ import os
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -397,7 +398,8 @@ def test_publish_does_not_hang_on_the_lock_of_a_dead_rollout_process():
     proc = ctx.Process(target=_die_holding, args=(lock,))
     proc.start()
     proc.join()
-    ro = rollout.Rollout(proc, None, {"w": torch.zeros(2).share_memory_()}, ctx.Value("l", 0), lock, None)
+    ro = rollout.Rollout(proc, types.SimpleNamespace(weights={"w": torch.zeros(2).share_memory_()},
+                                                version=ctx.Value("l", 0), lock=lock))
     with pytest.raises(RuntimeError, match=r"rollout process died \(exit code 3\) holding the weights lock"):
         ro.publish({"w": torch.ones(2)}, 1)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -687,7 +688,8 @@ def test_sglang_weight_update_takes_effect_after_running_requests(sglang_server,
     new = Transformer(s["cfg"]).init_weights(11 if sync == "memory" else 13, std=0.3)
     shared = {k: v.clone().share_memory_() for k, v in old.state_dict().items()}  # what start_rollout makes
     version, lock = Counter(0), threading.Lock()
-    ro = rollout.Rollout(None, None, shared, version, lock, None)  # the trainer's publish into shared tensors
+    link = types.SimpleNamespace(weights=shared, version=version, lock=lock)
+    ro = rollout.Rollout(None, link)  # the trainer's publish into shared tensors
     memory = sync == "memory"
     write_weights(s["wdir"], s["cfg"], tok_dir, 0, old.state_dict())  # v0 again: an earlier update deleted it
     e = sglang_real_engine(s, tok, version, weights=shared if memory else None, lock=lock, temperature=0)
@@ -696,7 +698,7 @@ def test_sglang_weight_update_takes_effect_after_running_requests(sglang_server,
     async def scenario():
         before = [await e.generate(p) for p in prompts]  # (the server may hold another test's weights: v0 first)
         running = asyncio.create_task(e.generate(long_prompt, max_new_tokens=200))
-        while e.in_flight == 0:  # publish as soon as it runs: 200 tokens take the CPU server well over 0.1 s
+        while not e.in_flight:  # publish as soon as it runs: 200 tokens take the CPU server well over 0.1 s
             await asyncio.sleep(0.001)
         assert not running.done()
         t0 = time.monotonic()
