@@ -1,5 +1,5 @@
-# Images on CPU: the tiny MoE plus a small vision encoder learns by RL alone to count 1..4 squares in a 16x16
-# image (4x4 patches: the defaults); one sampled token answers. Groups of 8 share an image. README: "Images".
+# Images on CPU: a tiny Qwen3-VL-MoE learns by RL alone to count 1..4 squares in a 16x16 image (4x4 patches,
+# merged 2x2: 4 image tokens, the defaults); one sampled token answers. Groups of 8 share an image. README: "Images".
 out_dir = "out/image_count"
 model = "tiny"
 tiny_vision = True
