@@ -180,9 +180,9 @@ def _content(server, llm, msg, where):
     the vocabulary has them); -> its images, (3, H, W) in [0, 1], resized as Qwen3-VL's processor (smart_resize)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # slow to import: not at start
     images, text, tok, c = [], "", server["tok"], getattr(llm.engine, "c", None)  # c: the torch engine's model
-    for j, part in enumerate(msg["content"] if isinstance(msg["content"], list) else [{"type": "text",
-                                                                                       "text": msg["content"]}]):
-        at, part = f"{where}[{j}]", part if isinstance(part, dict) else {}
+    parts = msg["content"] if isinstance(msg["content"], list) else [{"type": "text", "text": msg["content"]}]
+    for j, part in enumerate(p if isinstance(p, dict) else {} for p in parts):
+        at = f"{where}[{j}]"
         url = part["image_url"].get("url") if isinstance(part.get("image_url"), dict) else None
         if part.get("type") == "text" and isinstance(part.get("text"), str):
             text += part["text"]
