@@ -329,21 +329,16 @@ def test_an_image_for_a_text_only_model_is_a_400(tok):
 
 
 @pytest.mark.slow
-def test_image_count_reward_rises(tmp_path):
-    """Two seeds, the rise averaged: the first right answer of a near-uniform policy over 384 tokens is luck (about
-    one episode in 400), and one seed (0, with the per-episode sampler) saw none in its first 30 steps."""
-    rises, fresh = [], []
-    for seed in (0, 1):
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs",
-               "image_count.py"), f"--out_dir={tmp_path / str(seed)}", "--ckpt_every=0", "--max_steps=60",
-               "--prompts_per_step=8", "--lr=1e-3", f"--seed={seed}"]
-        r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
-                           timeout=300, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[-3000:]
-        ms = [json.loads(l) for l in open(tmp_path / str(seed) / "metrics.jsonl")]
-        rewards = [m["reward/mean"] for m in ms]
-        rises.append(sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10)
-        fresh += [m for m in ms if m["mismatch/tokens"]]
-    # in 60 steps at lr 1e-3 it mostly learns to answer with a digit (~0.003 -> ~0.2); counting takes the recipe's 200
-    assert sum(rises) / 2 > 0.1, rises
+def test_image_count_learns_to_count_on_held_out_images(tmp_path):
+    """The recipe's first 60 of 200 steps: held-out pass@1 (32 images x 4 samples at temperature 1) from 0 to > 0.1.
+    Measured: 0 -> 0.195 at step 60 (seed 0), 0.133 (seed 1); 0.5 by step 100, 0.92 and 0.74 later (README)."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "image_count.py"),
+           f"--out_dir={tmp_path}", "--ckpt_every=0", "--max_steps=60", "--eval_at_start"]
+    r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=900, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    evals = [(m["step"], m["eval/pass@1"]) for m in ms if "eval/pass@1" in m]
+    assert [s for s, _ in evals] == [0, 20, 40, 60] and evals[0][1] <= 0.05 and evals[-1][1] > 0.1, evals
+    fresh = [m for m in ms if m.get("mismatch/tokens")]
     assert fresh and all(m["mismatch/logprob_abs_diff"] < 1e-5 for m in fresh)
