@@ -94,11 +94,8 @@ class Episode:
         self.loss_mask += [0] * len(ids)
 
     def append_image(self, image: torch.Tensor, ids: list[int]) -> None:
-        """An image observation: ids hold its placeholders (<|image_pad|> once per token, see count), with
-        any text around them; mask 0 like every observation. The engine checks the shape against the model."""
-        if not (isinstance(image, torch.Tensor) and image.is_floating_point() and image.dim() == 3):
-            got = f"{image.dtype} {tuple(image.shape)}" if isinstance(image, torch.Tensor) else type(image).__name__
-            raise ValueError(f"an image must be a float tensor (C, H, W) in [0, 1], got {got}")
+        """An image observation, (3, H, W) floats in [0, 1]: ids hold its placeholders (<|image_pad|> once per token,
+        see count), with any text around them; mask 0 like every observation. Policy.generate checks it."""
         self.append(ids)
         self.images.append(image)
 

@@ -252,11 +252,10 @@ def test_bad_images_are_clear_errors_at_the_agent(tok):
     with pytest.raises(ValueError, match="the engine takes none"):
         gen(prompt, [torch.rand(3, 16, 16)], engine_for(tok, vlm(vocab=len(tok), vision=False)))
     assert not engine.waiting and engine.tokens_generated == 0  # nothing reached the engine
-    ep = agent.Episode()
-    for bad in (torch.rand(8, 8), torch.ones(3, 8, 8, dtype=torch.long), [[0.0]]):
-        with pytest.raises(ValueError, match="an image must be a float tensor"):
-            ep.append_image(bad, pad)
-    assert ep.ids == [] and ep.images == []
+    for bad in (torch.rand(8, 8), torch.ones(3, 16, 16, dtype=torch.long), [[0.0]]):  # as ep.append_image gives them
+        with pytest.raises(ValueError, match=r"image 0: .*, the model takes float \(3, H, W\)"):
+            gen(pad + prompt, [bad])
+    assert not engine.waiting and engine.tokens_generated == 0
 
 
 # ---- chat agents: OpenAI image_url content parts through the endpoint ----
