@@ -45,7 +45,7 @@ CALC_PROMPT = "What is {}*{}+{}? You may run Python."
 CORPUS_CALC = "What is {}*{}+{}? You may write `calc: <python expression>`."  # frozen: see _corpus
 PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description": "Run Python code, see its output",
                "parameters": {"type": "object", "required": ["code"], "properties": {"code": {"type": "string"}}}}}
-IMAGE_PAD, COUNT_PROMPT = "<|image_pad|>", "How many squares?"  # an image is one IMAGE_PAD per patch
+IMAGE_PAD, COUNT_PROMPT = "<|image_pad|>", "How many squares?"  # an image is one IMAGE_PAD per 2 x 2 patches
 
 
 def _corpus(rng: random.Random):
@@ -94,11 +94,8 @@ class Episode:
         self.loss_mask += [0] * len(ids)
 
     def append_image(self, image: torch.Tensor, ids: list[int]) -> None:
-        """An image observation: ids hold its placeholders (<|image_pad|> once per patch, see count), with
-        any text around them; mask 0 like every observation. The engine checks the shape against the model."""
-        if not (isinstance(image, torch.Tensor) and image.is_floating_point() and image.dim() == 3):
-            got = f"{image.dtype} {tuple(image.shape)}" if isinstance(image, torch.Tensor) else type(image).__name__
-            raise ValueError(f"an image must be a float tensor (C, H, W) in [0, 1], got {got}")
+        """An image observation, (3, H, W) floats in [0, 1]: ids hold its placeholders (<|image_pad|> once per token,
+        see count), with any text around them; mask 0 like every observation. Policy.generate checks it."""
         self.append(ids)
         self.images.append(image)
 
@@ -348,8 +345,8 @@ async def count(task: dict, llm) -> Episode:
     """How many squares (1..4) does the image show? The environment answers each reply with a new image, for
     max_turns turns; a reply's first digit is its answer; the reward is the fraction answered right."""
     ep, tok, rng, right = Episode(), llm.tokenizer, random.Random(task["seed"]), 0
-    # the image's placeholders: <|image_pad|> once per patch (a special token: one id each)
-    text = IMAGE_PAD * (task.get("image_size", 16) // task.get("patch_size", 4)) ** 2 + COUNT_PROMPT
+    # the image's placeholders: <|image_pad|> once per token, a token per 2 x 2 patches (a special token: one id each)
+    text = IMAGE_PAD * (task.get("image_size", 16) // task.get("patch_size", 4) // 2) ** 2 + COUNT_PROMPT
     for turn in range(1, task["max_turns"] + 1):
         k = rng.randint(1, 4)
         ids = turn_suffix(tok, text) if turn > 1 else prompt_ids(tok, text)  # the environment answers with an image

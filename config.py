@@ -30,9 +30,9 @@ class Config:
     tiny_hidden: int = 128  # tiny model: width
     tiny_experts: int = 8  # tiny model: experts per MoE layer (0 = dense)
     tiny_top_k: int = 2  # tiny model: experts per token
-    tiny_vision: bool = False  # tiny model: add a vision encoder (needed by image tasks such as count)
+    tiny_vision: bool = False  # tiny model: a Qwen3-VL-MoE, with a vision tower (needed by image tasks such as count)
     image_size: int = 16  # image tasks: height = width of every image, in pixels (tiny vision: what it takes)
-    patch_size: int = 4  # image tasks: patch side; an image is (image_size / patch_size)^2 <|image_pad|> tokens
+    patch_size: int = 4  # tiny vision: patch side; an image is (image_size / patch_size / 2)^2 <|image_pad|> tokens
     # ---- generation ----
     engine: str = "torch"  # torch: the embedded engine (CPU or GPU); vllm | sglang: inference servers over HTTP
     engine_slots: int = 64  # rows decoded together by the torch engine (continuous batching)
@@ -133,7 +133,8 @@ class Config:
             ("teacher", (self.advantage == "opd") == bool(self.teacher), "is given exactly when advantage=opd"),
             ("replay", not (self.replay and self.rollout_dump), "and rollout_dump do not go together"),
             ("guess_max", 1 <= self.guess_max <= 9, "must be in 1..9 (a guess is one digit)"),
-            ("patch_size", self.patch_size >= 1 and self.image_size % self.patch_size == 0, "must divide image_size"),
+            ("patch_size", self.patch_size >= 1 and self.image_size % (2 * self.patch_size) == 0,
+             "must divide image_size / 2 (the merger takes 2 x 2 patches)"),
             ("tiny_vision", self.tiny_vision or not (self.model == "tiny" and self.task == "count"),
              "must be true for the image task count on the tiny model"),
             ("engine", self.engine == "torch" or not self.tiny_vision, "takes no images: use engine=torch"),

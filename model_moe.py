@@ -3,7 +3,8 @@ and Qwen2 checkpoints (no q/k norm; Qwen2's q/k/v biases; Llama 3 RoPE scaling),
 Hugging Face's, so a checkpoint loads key for key; only experts convert (stacked [E, out, in] here, per expert on disk).
 One forward serves training and generation (a KV cache, one slot per request): engine and trainer run the same code. MoE
 routing is captured and replayed ("routing replay", arXiv:2510.11370): replay fixes which experts run, the router still
-gets gradient through the combine weights. Optional vision encoder: its features replace <|image_pad|> placeholders."""
+gets gradient through the combine weights. Qwen3-VL (dense or MoE): a vision tower's features replace <|image_pad|>
+placeholders (and join the first decoder layers: DeepStack), positions are 3D (M-RoPE)."""
 import json
 import math
 import os
@@ -17,10 +18,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-                 "Qwen2ForCausalLM": "qwen2"}  # -> family
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3VLForConditionalGeneration": "qwen3",
+                 "Qwen3VLMoeForConditionalGeneration": "qwen3"}  # -> family
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-VISION_FIELDS = ("vision_layers", "vision_hidden", "vision_heads", "image_size", "image_channels", "patch_size",
-                 "image_token_id")
 
 
 @dataclass
@@ -45,14 +45,9 @@ class ModelConfig:
     family: str = "qwen3"  # qwen3 (q/k RMSNorm; Qwen3-MoE when num_experts > 0), llama, qwen2 (q/k/v biases)
     attention_bias: bool = False  # biases on q, k, v and o (Llama's and Qwen3's attention_bias)
     rope_scaling: dict = None  # Llama 3 RoPE scaling, LLAMA3_ROPE's keys; None: plain RoPE
-    # vision encoder: a ViT in miniature whose features replace the <|image_pad|> embeddings; 0 layers = text only
-    vision_layers: int = 0
-    vision_hidden: int = 64
-    vision_heads: int = 4
-    image_size: int = 16  # pixels, height = width
-    image_channels: int = 3
-    patch_size: int = 4  # an image gives (image_size / patch_size)^2 features, one per placeholder token
+    vision: dict = None  # Qwen3-VL: its vision_config (depth, hidden_size, num_heads, patch_size, ...); None: text only
     image_token_id: int = -1  # id of <|image_pad|>; -1: none
+    mrope_section: list = None  # Qwen3-VL's M-RoPE: how many rotary frequencies the t, h and w positions take
 
     def is_moe_layer(self, i):
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
@@ -61,9 +56,15 @@ class ModelConfig:
     def n_moe_layers(self):
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
-    @property
-    def n_patches(self):  # features (and placeholder tokens) per image
-        return (self.image_size // self.patch_size) ** 2
+    def grid(self, image):
+        """(C, H, W) image -> (h, w), the grid of its placeholder tokens: one per merge x merge patches."""
+        f = self.vision["patch_size"] * self.vision["spatial_merge_size"]
+        return image.shape[-2] // f, image.shape[-1] // f
+
+    def check_placeholders(self, n, images):
+        if n != sum(tokens := [h * w for h, w in map(self.grid, images)]):
+            raise ValueError(f"{n} image placeholders (token id {self.image_token_id}) for {len(images)} images "
+                             f"of {tokens} tokens")
 
     @classmethod
     def load(cls, path):
@@ -77,11 +78,15 @@ class ModelConfig:
         arch = (d.get("architectures") or ["?"])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        if vision := d.get("vision_config"):  # Qwen3-VL: the decoder's settings are in text_config
+            top = {k: d[k] for k in ("image_token_id", "tie_word_embeddings") if k in d}
+            d = d["text_config"] | top | {"vision": vision}
         rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         rope = {"rope_type": rope.get("type", "default"), **rope}  # "type": the older configs' name
         # what these families may set and this model does not implement is refused by name, never ignored
         for key, ok in [("rope_type", ("default", "llama3")), ("hidden_act", ("silu",)), ("mlp_bias", (False,)),
-                        ("use_sliding_window", (False,)), ("partial_rotary_factor", (1.0,))]:
+                        ("use_sliding_window", (False,)), ("partial_rotary_factor", (1.0,)),
+                        ("mrope_interleaved", (True,))]:  # the vision tower is transformers': it reads its own
             if (value := {**d, **rope}.get(key, ok[0])) not in ok:
                 raise ValueError(f"{path}: {key}={value!r} is not supported (supported: {', '.join(map(repr, ok))})")
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
@@ -89,18 +94,25 @@ class ModelConfig:
             family=ARCHITECTURES[arch], rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling={k: rope[k] for k in LLAMA3_ROPE} if rope["rope_type"] == "llama3" else None,
             head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            mrope_section=rope.get("mrope_section") if vision else None,
             num_experts=d.get("num_experts", d.get("num_local_experts", 0)) if "Moe" in arch else 0))
 
     def to_hf(self):
-        # vision fields only for a model that has an encoder: a text-only config.json stays as it was
-        skip = ("family", "rope_scaling") + (() if self.vision_layers else VISION_FIELDS)
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("family", "rope_scaling", "vision",
+                                                                                 "image_token_id", "mrope_section")}
         moe = self.num_experts > 0
         arch = "Qwen3MoeForCausalLM" if moe else next(a for a, f in ARCHITECTURES.items() if f == self.family)
         rope = {"rope_type": "llama3" if self.rope_scaling else "default", "rope_theta": self.rope_theta}
-        return d | dict(architectures=[arch], model_type="qwen3_moe" if moe else self.family, hidden_act="silu",
-                        rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
-                        num_local_experts=self.num_experts)
+        rope |= {"mrope_section": self.mrope_section, "mrope_interleaved": True} if self.vision else {}
+        d |= dict(architectures=[arch], model_type="qwen3_moe" if moe else self.family, hidden_act="silu",
+                  rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
+                  num_local_experts=self.num_experts)
+        if not self.vision:
+            return d
+        vl = "qwen3_vl_moe" if moe else "qwen3_vl"  # Qwen3-VL: the decoder's settings go in text_config
+        return dict(architectures=[("Qwen3VLMoe" if moe else "Qwen3VL") + "ForConditionalGeneration"], model_type=vl,
+                    text_config=d | {"model_type": vl + "_text"}, vision_config=self.vision, torch_dtype="float32",
+                    image_token_id=self.image_token_id, tie_word_embeddings=self.tie_word_embeddings)
 
 
 class RMSNorm(nn.Module):
@@ -290,29 +302,15 @@ class KVCache:
         return n_keys, update
 
 
-class VisionEncoder(nn.Module):
-    """Images (N, C, H, W) in [0, 1] -> features (N, n_patches, hidden_size). A ViT in miniature (arXiv:2010.11929):
-    each patch flattened, embedded by one linear map, given a learned position; pre-norm blocks (the decoder's, dense)
-    attend over all of an image's patches; an MLP projector maps into the decoder's width (LLaVA, arXiv:2304.08485)."""
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        D, self.p = c.vision_hidden, c.patch_size
-        vc = ModelConfig(hidden_size=D, intermediate_size=2 * D, num_attention_heads=c.vision_heads,
-                         num_key_value_heads=c.vision_heads, head_dim=D // c.vision_heads, rms_norm_eps=c.rms_norm_eps)
-        self.patch_embed = nn.Linear(c.image_channels * self.p ** 2, D, bias=False)
-        self.pos_embed = nn.Parameter(torch.zeros(c.n_patches, D))
-        self.blocks = nn.ModuleList(Block(vc, i) for i in range(c.vision_layers))
-        self.norm = RMSNorm(D, c.rms_norm_eps)
-        self.proj_in = nn.Linear(D, c.hidden_size, bias=False)
-        self.proj_out = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
-
-    def forward(self, images):
-        x = images.unfold(2, self.p, self.p).unfold(3, self.p, self.p)  # (N, C, H/p, W/p, p, p)
-        x = x.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # (N, n_patches, C * p * p), in raster order
-        x = self.patch_embed(x) + self.pos_embed  # (N, n_patches, D)
-        for block in self.blocks:  # cos 1, sin 0: no rotation (positions are in pos_embed); mask None: see all
-            x, _ = block(x, 1.0, 0.0, None)
-        return self.proj_out(F.gelu(self.proj_in(self.norm(x))))  # (N, n_patches, hidden_size)
+def patches(images, v):
+    """(C, H, W) images in [0, 1] -> (their patches (N, C * T * p * p), grid_thw (n, 3)) as Qwen3-VL's processor makes
+    them: scaled to [-1, 1], the frame repeated T = temporal_patch_size times, patches grouped merge x merge."""
+    p, m, T, rows = v["patch_size"], v["spatial_merge_size"], v["temporal_patch_size"], []
+    for im in images:  # (C, h/m, m, p, w/m, m, p) -> (h/m, w/m, m, m, C, p, p): merge blocks in raster order
+        x = ((im - 0.5) / 0.5).reshape(len(im), im.shape[1] // p // m, m, p, im.shape[2] // p // m, m, p)
+        x = x.permute(1, 4, 2, 5, 0, 3, 6).unsqueeze(-3)
+        rows.append(x.expand(*x.shape[:5], T, p, p).reshape(-1, len(im) * T * p * p))
+    return torch.cat(rows), torch.tensor([[1, im.shape[1] // p, im.shape[2] // p] for im in images])
 
 
 class Transformer(nn.Module):
@@ -326,40 +324,48 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        if c.vision_layers:
-            self.visual = VisionEncoder(c)  # keys visual.*: transformers loading the text part ignores them
+        if c.vision:
+            # Qwen3-VL's vision tower (arXiv:2511.21631), transformers' own module: nothing here samples or routes
+            from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionConfig, Qwen3VLVisionModel
+            self.visual = Qwen3VLVisionModel(Qwen3VLVisionConfig(**c.vision))  # keys model.visual.* on disk
 
     def init_weights(self, seed=0, std=0.02):
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             with torch.no_grad():
-                p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * std)
+                one = name.endswith(("norm.weight", "norm1.weight", "norm2.weight"))  # RMSNorm's and LayerNorm's
+                p.copy_(torch.ones_like(p) if one else torch.randn(p.shape, generator=g) * std)
         return self
 
     def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,
-                return_routing=False, embeds=None, images=None, logits_at=None, aux_mask=None):
+                return_routing=False, images=None, logits_at=None, aux_mask=None, rope_shift=None):
         """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)]. positions (B, T): default 0..T-1.
-        pad_mask (B, T) bool: False on (left or right) padding. routing: experts to replay. embeds (B, T, C): not ids'.
-        cache/slots: KVCache and each row's slot (B,); tokens are written at their positions, attend to all at or
-        before them in their slot. images (N, C, H, W) float: in row-major order of their placeholders (n_patches each).
+        pad_mask (B, T) bool: False on (left or right) padding. routing: experts to replay. cache/slots: KVCache and
+        each row's slot (B,); tokens are written at their positions, attend to all at or before them in their slot.
+        images: (C, H, W) floats in [0, 1], in row-major order of their placeholders (ModelConfig.grid's h * w each).
+        rope_shift (B,): added to positions (the M-RoPE offset of images before them: the engine's decode).
         logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them).
         aux_mask (B, T) bool: the positions the MoE load-balancing loss (self.aux_loss) counts."""
         c, (B, T) = self.config, ids.shape
         positions = torch.arange(T, device=ids.device).expand(B, T) if positions is None else positions
-        x = self.model.embed_tokens(ids) if embeds is None else embeds  # (B, T, C)
-        if images is None and c.vision_layers and torch.is_grad_enabled():
-            # under FSDP every rank's encoder joins backward, a rank without images too (its gradients: zeros)
-            images = x.new_zeros(0, c.image_channels, c.image_size, c.image_size)
-        if images is not None:  # image i's features replace placeholders i * n_patches .. (i + 1) * n_patches - 1
-            if not c.vision_layers:
-                raise ValueError("images given, but this model has no vision encoder (vision_layers=0)")
-            at = ids == c.image_token_id  # (B, T)
-            if (n := int(at.sum())) != len(images) * c.n_patches:
-                raise ValueError(f"{n} image placeholders (token id {c.image_token_id}) for {len(images)} images "
-                                 f"of {c.n_patches} patches each")
-            feats = self.visual(images.to(x.dtype)).reshape(-1, x.shape[-1])  # (N * n_patches, C)
-            x = x.masked_scatter(at[..., None], feats)  # fills the True positions in row-major order
-        freqs = positions[:, None, :, None].float() * inv_freq(c, ids.device)  # (B, 1, T, hd/2)
+        x = self.model.embed_tokens(ids)  # (B, T, C)
+        images, deep, at = list(images if images is not None else []), [], ids == c.image_token_id  # at (B, T)
+        if images and not c.vision:
+            raise ValueError("images given, but this model has no vision tower (not a Qwen3-VL model)")
+        if c.vision and not images and torch.is_grad_enabled():  # under FSDP every rank's tower gets gradients
+            x = x + 0 * sum(p.sum() for p in self.visual.parameters())  # (zeros), a rank without images too
+        if images:  # image i's tokens replace its run of placeholders, in row-major order
+            c.check_placeholders(int(at.sum()), images)
+            rope = self.visual.rotary_pos_emb  # its buffer, not in the state dict: made anew (meta, FSDP's to_empty)
+            rope.inv_freq = rope.compute_axial_rope_parameters(rope.config, ids.device)[0]
+            out = self.visual(*patches(images, c.vision))  # tokens (n, C) and DeepStack's [(n, C)]
+            feats, deep = out.pooler_output, out.deepstack_features
+            x = x.masked_scatter(at[..., None], feats.to(x.dtype))  # fills the True positions in row-major order
+        pos = positions if rope_shift is None else positions + rope_shift[:, None].to(positions.device)
+        pos, j = self.mrope(ids, pos, images) if c.vision else pos[None], torch.arange(c.head_dim // 2)  # (3|1, B, T)
+        # interleaved M-RoPE: frequency j turns with axis j % 3 (t, h, w) while within its mrope_section, else with t
+        axes = torch.where(j < 3 * torch.tensor(c.mrope_section)[j % 3], j % 3, 0) if c.vision else j * 0
+        freqs = pos[axes].permute(1, 2, 0)[:, None].float() * inv_freq(c, ids.device)  # (B, 1, T, hd/2)
         cos, sin = freqs.cos(), freqs.sin()
         cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)  # (B, 1, T, hd)
         if cache is not None:
@@ -377,11 +383,25 @@ class Transformer(nn.Module):
             x, experts = layer(x, cos, sin, mask, partial(kv, i) if cache is not None else None, replay, aux_mask)
             if experts is not None:
                 routes.append(experts)
+            if i < len(deep):  # DeepStack: an intermediate vision block's features added to the image tokens
+                x = x + torch.zeros_like(x).masked_scatter(at[..., None], deep[i].to(x.dtype))
         moe = [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
         self.aux_loss = sum(m.aux_loss for m in moe) / len(moe) if moe and moe[0].aux_loss is not None else None
         self.flips = sum(m.flips for m in moe) if moe and moe[0].flips is not None else None  # over the layers
         logits = self.lm_head(self.model.norm(x if logits_at is None else x[logits_at]))
         return (logits, torch.stack(routes) if routes else None) if return_routing else logits
+
+    def mrope(self, ids, pos, images):
+        """-> (3, B, T) M-RoPE positions (t, h, w) from pos (B, T): a text token at p is at (p, p, p); an image's h x w
+        tokens from p are at (p, p + row, p + col), and the text after it goes on from p + max(h, w)."""
+        pos, n, at = pos[None].repeat(3, 1, 1), 0, (ids == self.config.image_token_id).nonzero().tolist()
+        for im in images:
+            (h, w), (b, t) = self.config.grid(im), at[n]
+            thw = torch.stack(torch.meshgrid(torch.arange(1), torch.arange(h), torch.arange(w), indexing="ij"))
+            pos[:, b, t:t + h * w] = pos[0, b, t] + thw.flatten(1).to(pos.device)  # (3, h * w)
+            pos[:, b, t + h * w:] += max(h, w) - h * w
+            n += h * w
+        return pos
 
     # ---- Hugging Face checkpoints ----
     @classmethod
@@ -399,8 +419,8 @@ class Transformer(nn.Module):
         extra = [k for k in state if k not in expected and not (k == "lm_head.weight" and c.tie_word_embeddings)]
         if missing or extra:
             raise ValueError(f"{path}: missing {missing[:5]}, unexpected {extra[:5]} (checkpoint vs config.json)")
-        for k, t in expected.items():
-            if state[k].shape != t.shape:
+        for k, t in expected.items():  # Qwen3-VL-MoE's fused experts: the Hub's layout or transformers' (transposed)
+            if state[k].shape != t.shape and not (k.endswith("_proj") and state[k].mT.shape == t.shape):
                 raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)}, config.json expects {tuple(t.shape)}")
         own = from_hf_state({k: state[k].to(device, dtype) for k in expected}, c)
         own.setdefault("lm_head.weight", own["model.embed_tokens.weight"])  # tied: not on disk
@@ -415,24 +435,35 @@ class Transformer(nn.Module):
 
 
 def to_hf_state(sd, c: ModelConfig):
-    """Our state dict -> Hugging Face keys (experts split per expert; tied lm_head dropped)."""
+    """Our state dict -> Hugging Face keys: experts per expert (Qwen3-VL-MoE: fused as on the Hub, gate_up_proj
+    (E, H, 2I) gate first, down_proj (E, I, H)); tied lm_head dropped; Qwen3-VL's decoder under model.language_model."""
     out = {}
     for k, t in sd.items():
         pre, _, name = k.rpartition(".")
-        if name in ("w_gate", "w_up", "w_down"):  # w_gate[e] is expert e's gate_proj.weight
+        if name in ("w_gate", "w_down") and c.vision:
+            w = torch.cat([t, sd[f"{pre}.w_up"]], 1) if name == "w_gate" else t
+            out[f"{pre}.experts.{'gate_up' if name == 'w_gate' else 'down'}_proj"] = w.mT
+        elif name in ("w_gate", "w_up", "w_down") and not c.vision:  # w_gate[e] is expert e's gate_proj.weight
             out.update({f"{pre}.experts.{e}.{name[2:]}_proj.weight": t[e] for e in range(len(t))})
-        elif not (k == "lm_head.weight" and c.tie_word_embeddings):
+        elif name != "w_up" and not (k == "lm_head.weight" and c.tie_word_embeddings):
             out[k] = t
-    return out
+    if not c.vision:
+        return out
+    return {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else
+             k.replace("visual.", "model.visual.", 1)): t for k, t in out.items()}
 
 
 def from_hf_state(hf, c: ModelConfig):
     """Hugging Face keys -> our state dict: per-expert tensors (checkpoints) stacked, transformers' fused ones split."""
+    hf = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): t for k, t in hf.items()}
     out = {k: t for k, t in hf.items() if ".experts." not in k}
     for pre in dict.fromkeys(k.split(".experts.")[0] for k in hf if ".experts." in k):  # each MoE layer's mlp
-        if f"{pre}.experts.gate_up_proj" in hf:  # transformers 5's in memory (convert_gguf's): (E, 2I, H), gate first
-            out[f"{pre}.w_gate"], out[f"{pre}.w_up"] = hf[f"{pre}.experts.gate_up_proj"].chunk(2, dim=1)
-            out[f"{pre}.w_down"] = hf[f"{pre}.experts.down_proj"]
+        if f"{pre}.experts.gate_up_proj" in hf:  # transformers 5's in memory: (E, 2I, H), gate first; the Hub's
+            gate_up, down = hf[f"{pre}.experts.gate_up_proj"], hf[f"{pre}.experts.down_proj"]  # Qwen3-VL-MoE:
+            if gate_up.shape[1] != 2 * c.moe_intermediate_size:  # (E, H, 2I) and (E, I, H)
+                gate_up, down = gate_up.mT, down.mT
+            out[f"{pre}.w_gate"], out[f"{pre}.w_up"] = (t.contiguous() for t in gate_up.chunk(2, dim=1))
+            out[f"{pre}.w_down"] = down.contiguous()
             continue
         for w in ("gate", "up", "down"):
             out[f"{pre}.w_{w}"] = torch.stack([hf[f"{pre}.experts.{e}.{w}_proj.weight"] for e in range(c.num_experts)])

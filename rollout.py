@@ -118,7 +118,8 @@ class _Request:
     slot: int = -1
     fed: int = 0  # tokens whose keys are in the cache
     key: tuple = ()  # (episode, call): with the seed and a token's position, what its random draw is a function of
-    images: torch.Tensor | None = None  # (N, C, H, W) for the prompt's placeholders; used by prefills only
+    images: list | None = None  # (C, H, W) each, for the prompt's placeholders; used by prefills only
+    shift: int = 0  # M-RoPE: a decoded position turns this much more than its index (a prefill has the images)
     sampling: tuple = ()  # an evaluation's (key, value) pairs over the engine's temperature, top_p
 
 
@@ -136,7 +137,7 @@ class TorchEngine:
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.max_new, self.stop_ids, self.seed, self.max_len = max_new_tokens, set(stop_ids), seed, max_len
         self.chunk_tokens = chunk_tokens  # padded tokens per prefill forward: bounds its activations
-        if self.c.vision_layers:  # a sampled placeholder has no image: end the row there (the agent rejects
+        if self.c.vision:  # a sampled placeholder has no image: end the row there (the agent rejects
             self.stop_ids.add(self.c.image_token_id)  # the episode), else a re-prefill would splice a feature in
         self.shared_version, self.source, self.lock = version, source, lock or contextlib.nullcontext()  # shared
         self.version = version.value if version is not None else 0
@@ -145,10 +146,11 @@ class TorchEngine:
         self.wake, self.tokens_generated = asyncio.Event(), 0
 
     async def generate(self, ids, max_new_tokens=None, images=None, key=None, sampling=None) -> Completion:
-        """images (N, C, H, W): one per run of n_patches placeholders in ids (checked by Policy.generate)."""
+        """images: (C, H, W) each, one per run of placeholders in ids (checked by Policy.generate)."""
         max_new = check_prompt(ids, self.c.vocab_size, self.max_len, max_new_tokens or self.max_new)
         req = _Request(list(ids), len(ids), max_new, asyncio.get_running_loop().create_future(), [], [],
-                       images=None if images is None else images.to(self.cache.k.device),
+                       images=None if images is None else [im.to(self.cache.k.device) for im in images],
+                       shift=sum(max(h, w) - h * w for h, w in map(self.c.grid, images or [])),
                        key=key or (-1, next(self.requests)), sampling=tuple(sorted((sampling or {}).items())))
         self.waiting.append(req)
         self.wake.set()
@@ -177,11 +179,11 @@ class TorchEngine:
             ids = torch.tensor([ch + [0] * (T - len(ch)) for ch in chunks[i:i + n]], device=dev)  # (b, T), right-padded
             pos = torch.tensor(starts)[:, None] + torch.arange(T)  # (b, T); padding continues them: past the row
             slots = torch.tensor([r.slot for r in group])  # (b,)
-            images = [r.images for r in group if r.images is not None] if prefill else []
+            images = [im for r in group for im in r.images or ()] if prefill else []
             last = torch.arange(T) == (lens - 1)[:, None]  # (b, T): each row's last token
             logit, routing = self.model(ids, positions=pos.to(dev), cache=self.cache, slots=slots.to(dev),
-                                        return_routing=True, images=torch.cat(images) if images else None,
-                                        logits_at=last.to(dev) & logits)
+                                        return_routing=True, images=images, logits_at=last.to(dev) & logits,
+                                        rope_shift=torch.tensor([0 if prefill else r.shift for r in group], device=dev))
             out.append(logit)  # (b, V) in row order
             for r, m, s in zip(group, lens.tolist(), starts):
                 r.fed = s + m
@@ -267,25 +269,21 @@ class Policy:
 
 
 def check_images(ids, images, c):
-    """-> the images as one tensor (N, C, H, W), or None. c: the engine's ModelConfig (None: it takes no images). A
-    ValueError for images without an encoder, a wrong shape or range, placeholders that are not n_patches per image."""
+    """-> the images as a list of float (C, H, W), or None. c: the engine's ModelConfig (None: it takes no images). A
+    ValueError for images without a vision tower, of a wrong shape or range, or not matching the placeholders."""
     images = list(images if images is not None else [])
-    if c is None or not c.vision_layers:
+    if c is None or not c.vision:
         if images:
-            raise ValueError("images given, but the engine's model has no vision encoder (vision_layers=0)")
+            raise ValueError("images given, but the engine takes none (a text model, or a server: no images yet)")
         return None
-    want = (c.image_channels, c.image_size, c.image_size)
+    f = c.vision["patch_size"] * c.vision["spatial_merge_size"]
     for i, im in enumerate(images):
-        if not (isinstance(im, torch.Tensor) and im.is_floating_point() and tuple(im.shape) == want):
+        if not (isinstance(im, torch.Tensor) and im.is_floating_point() and im.dim() == 3 and len(im) == 3
+                and all(s >= f and s % f == 0 for s in im.shape[1:]) and bool(((im >= 0) & (im <= 1)).all())):
             got = tuple(im.shape) if isinstance(im, torch.Tensor) else type(im).__name__
-            raise ValueError(f"image {i}: {got}, the model takes float (C, H, W) = {want}")
-        if not bool(((im >= 0) & (im <= 1)).all()):
-            raise ValueError(f"image {i}: values outside [0, 1]")
-    n = sum(t == c.image_token_id for t in ids)
-    if n != len(images) * c.n_patches:
-        raise ValueError(f"{n} image placeholders (token id {c.image_token_id}) for {len(images)} images "
-                         f"of {c.n_patches} patches each")
-    return torch.stack(images).float() if images else None
+            raise ValueError(f"image {i}: {got}, the model takes float (3, H, W) in [0, 1], H and W multiples of {f}")
+    c.check_placeholders(sum(t == c.image_token_id for t in ids), images)
+    return [im.float() for im in images] if images else None
 
 
 class Malformed(Exception):
@@ -368,12 +366,12 @@ def episode_to_msg(ep, index, group, record):
     logprobs, versions, routing, engine_ids = record
     return {"ids": torch.tensor(ep.ids), "loss_mask": torch.tensor(ep.loss_mask), "versions": torch.tensor(versions),
             "logprobs": torch.tensor(logprobs, dtype=torch.float32), "routing": routing,  # (T, n_moe, k) or None
-            "engine_ids": engine_ids, "images": torch.stack(ep.images).float() if ep.images else None,  # (N, C, H, W)
+            "engine_ids": engine_ids, "images": [im.float() for im in ep.images],  # (C, H, W) each
             "reward": float(ep.reward), "group": group, "index": index,
             "info": {k: float(v) for k, v in ep.info.items()}}
 
 
-PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids", "images")  # tensors, length first
+PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids")  # tensors, length first
 
 
 def pack(group):

@@ -89,8 +89,12 @@ def tiny_init(cfg, rank, fsdp):
         if not os.path.isdir(path):
             agent.make_tokenizer(path + ".tmp")
         tok = rollout._tokenizer(path if os.path.isdir(path) else path + ".tmp")
-        vision = dict(vision_layers=2, vision_hidden=cfg.tiny_hidden // 2, image_size=cfg.image_size,
-                      patch_size=cfg.patch_size, image_token_id=tok.convert_tokens_to_ids(agent.IMAGE_PAD))
+        D, s = cfg.tiny_hidden // 2, cfg.tiny_hidden // 8  # tiny Qwen3-VL-MoE: a 2-block tower, DeepStack from block 0
+        tower = dict(depth=2, hidden_size=D, intermediate_size=2 * D, num_heads=2, in_channels=3, spatial_merge_size=2,
+                     temporal_patch_size=2, patch_size=cfg.patch_size, out_hidden_size=cfg.tiny_hidden,
+                     num_position_embeddings=(cfg.image_size // cfg.patch_size) ** 2, deepstack_visual_indexes=[0])
+        vision = dict(vision=tower | {"hidden_act": "gelu_pytorch_tanh"}, image_token_id=tok.convert_tokens_to_ids(
+            agent.IMAGE_PAD), mrope_section=[s - 2 * (s // 3), s // 3, s // 3])
         c = ModelConfig(vocab_size=len(tok), hidden_size=cfg.tiny_hidden, intermediate_size=2 * cfg.tiny_hidden,
                         num_hidden_layers=cfg.tiny_layers, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=cfg.tiny_hidden // 4, num_experts=cfg.tiny_experts, num_experts_per_tok=cfg.tiny_top_k,
@@ -145,14 +149,14 @@ def collate(msgs, device):
     def pad(key, value):
         return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value)
     b = {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
-         "rollout_logp": pad("logprobs", 0.0), "images": None,  # routing: (B, T, L, k) -> (L, B, T, k)
+         "rollout_logp": pad("logprobs", 0.0),  # routing: (B, T, L, k) -> (L, B, T, k)
          "routing": pad("routing", -1).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None}
-    if images := [m["images"] for m in msgs if m.get("images") is not None]:  # (N_b, C, H, W) each, in row order
-        b["images"] = torch.cat(images)  # the pixels the engine saw
     for row, m, msg in zip(b["ids"], b["loss_mask"].bool(), msgs):  # token identity: we train what was sampled
         if not torch.equal(row[m], msg["engine_ids"]):
             raise AssertionError(f"episode {msg['index']}: trained token ids differ from the engine's sampled ids")
-    return {k: (v.to(device) if v is not None else None) for k, v in b.items()} | {"index": [m["index"] for m in msgs]}
+    images = [im.to(device) for m in msgs for im in m.get("images") or ()]  # the pixels the engine saw, in row order
+    return {k: (v.to(device) if v is not None else None) for k, v in b.items()} | {"index": [m["index"] for m in msgs],
+                                                                                 "images": images}
 
 
 # An empty micro-batch (split_batch) still runs, the reference's forward too, on two untrained tokens: it adds exactly 0

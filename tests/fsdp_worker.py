@@ -1,7 +1,7 @@
 """Run by tests/test_train.py under torchrun (2 gloo ranks) and in one process: one train_step on a fixed
 batch; rank 0 saves the full gradients and updated weights for the test to compare. With `vision`, a model with
-a vision encoder, and one episode has an image: the longest, so split_batch gives it to rank 0's first
-micro-batch, and rank 1's encoder runs on no image in that forward (and in its empty last micro-batch)."""
+a vision tower (Qwen3-VL's), and one episode has an image: the longest, so split_batch gives it to rank 0's first
+micro-batch, and rank 1's tower runs on no image in that forward (and in its empty last micro-batch)."""
 import os
 import sys
 
@@ -12,6 +12,10 @@ import config
 import train
 from model_moe import ModelConfig, Transformer
 
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3, patch_size=4, spatial_merge_size=2,
+              temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=4, deepstack_visual_indexes=[0],
+              hidden_act="gelu_pytorch_tanh")
+
 
 def make_msgs(model, n, seed):
     g, c = torch.Generator().manual_seed(seed), model.config
@@ -19,10 +23,10 @@ def make_msgs(model, n, seed):
     for i in range(n):
         T = int(torch.randint(6, 14, (1,), generator=g))
         ids = torch.randint(0, c.vocab_size - 1, (T,), generator=g)  # the last id is the image placeholder
-        images = None
-        if c.vision_layers and i == 0:
-            ids = torch.cat([ids[:2], torch.full((c.n_patches,), c.image_token_id), ids[2:]])
-            T, images = T + c.n_patches, torch.rand(1, c.image_channels, c.image_size, c.image_size, generator=g)
+        images = []
+        if c.vision and i == 0:  # a (3, 16, 8) image: 2 x 1 tokens
+            ids = torch.cat([ids[:2], torch.full((2,), c.image_token_id), ids[2:]])
+            T, images = T + 2, [torch.rand(3, 16, 8, generator=g)]
         mask = (torch.rand(T, generator=g) < 0.6).long()
         mask[0], mask[-1] = 0, 1
         with torch.no_grad():
@@ -45,7 +49,7 @@ def main(out, mode="", *args):
     rank, world, device, _ = train.compute_init(cfg)
     c = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                    **(dict(vision_layers=1, vision_hidden=16, image_size=8, patch_size=4, image_token_id=49) if vision else {}))
+                    **(dict(vision=VISION, mrope_section=[2, 1, 1], image_token_id=49) if vision else {}))
     model = Transformer(c).init_weights(0, std=0.2)
     ref = Transformer(c).init_weights(1, std=0.2).requires_grad_(False) if mode == "kl" else None
     msgs = make_msgs(model, 7, 1)

@@ -405,14 +405,14 @@ def test_publish_does_not_hang_on_the_lock_of_a_dead_rollout_process():
 
 
 def test_pack_unpack_round_trip_with_missing_fields():
-    """A group crosses the queue as one item (a tensor per field); episodes without routing or images keep None."""
-    def msg(n, fill, images):
+    """A group crosses the queue as one item (a tensor per field); episodes without routing keep None."""
+    def msg(n, fill, routing):
         return {"engine_ids": torch.tensor([1, 2][:n % 3]), "ids": torch.full((n,), fill), "loss_mask": torch.ones(n),
-                "versions": torch.zeros(n, dtype=torch.long), "logprobs": -torch.rand(n), "routing": None,
-                "images": images, "reward": 1.0, "index": fill}
-    group = [msg(5, 0, None), msg(7, 1, torch.rand(2, 3, 4, 4))]
+                "versions": torch.zeros(n, dtype=torch.long), "logprobs": -torch.rand(n), "routing": routing,
+                "reward": 1.0, "index": fill}
+    group = [msg(5, 0, None), msg(7, 1, torch.rand(7, 2, 1))]
     item = rollout.pack([dict(m) for m in group])
-    assert item["ids"][0].shape == (12,) and item["routing"][0] is None and item["images"][0].shape[0] == 2
+    assert item["ids"][0].shape == (12,) and item["routing"][0].shape == (7, 2, 1)
     for a, b in zip(group, rollout.unpack(item)):
         assert a.keys() == b.keys()
         for k in a:

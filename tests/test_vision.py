@@ -1,5 +1,7 @@
 """Images through model, engine, agent and trainer: splicing, text-only parity, mismatch, replay, bad input."""
 import asyncio
+import base64
+import io
 import json
 import os
 import subprocess
@@ -9,76 +11,128 @@ import pytest
 import torch
 
 import agent
+import endpoint
 from model_moe import ModelConfig, Transformer
 from rollout import Policy, TorchEngine, check_images, check_tokens, episode_to_msg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAD = 7  # the image placeholder id of the synthetic-vocab tests
+PAD, START, END = 290, 292, 293  # the placeholder, vision start and vision end ids of the synthetic-vocab tests
+VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=16,
+              spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+              deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
+SIZES = [(64, 64), (32, 96), (96, 64)]  # (H, W) of three images: 2x2, 1x3 and 3x2 tokens
 
 
-def vlm(seed=0, vocab=64, pad=PAD, experts=4, top_k=2, vision_layers=2):
-    c = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=8, num_experts=experts, num_experts_per_tok=top_k,
-                    moe_intermediate_size=16, tie_word_embeddings=False, vision_layers=vision_layers, vision_hidden=16,
-                    image_size=8, patch_size=4, image_token_id=pad)
-    return Transformer(c).init_weights(seed, std=0.3)
+def hf_vlm(moe, seed=0):
+    """A tiny random Qwen3-VL(-MoE) of transformers, large weights (attention and routing far from uniform)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    torch.manual_seed(seed)
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                     "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+    ids = dict(image_token_id=PAD, video_token_id=291, vision_start_token_id=START, vision_end_token_id=END)
+    if moe:
+        c = Qwen3VLMoeConfig(text_config=text | dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                                     mlp_only_layers=[1]), vision_config=VISION, **ids)
+    else:
+        c = Qwen3VLConfig(text_config=text, vision_config=VISION, **ids)
+    m = (Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration)(c).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    return m
 
 
-def with_images(g, rows, T=24, V=64):
-    """ids (B, T) without placeholders except the runs at rows[b] = [start, ...] (4 patches each)."""
-    ids = torch.randint(PAD + 1, V, (len(rows), T), generator=g)
-    for b, starts in enumerate(rows):
-        for s in starts:
-            ids[b, s:s + 4] = PAD
+def images_and_pixels(sizes=SIZES, seed=0):
+    """-> (C, H, W) images in [0, 1] (ours), the processor's pixel_values and image_grid_thw of the same (transformers')."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    rng = np.random.default_rng(seed)
+    arrays = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+    proc = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                    size={"shortest_edge": 32 * 32, "longest_edge": 512 * 512})  # Qwen3-VL's norm
+    out = proc([Image.fromarray(a) for a in arrays], return_tensors="pt")
+    return [torch.tensor(a).permute(2, 0, 1).float() / 255 for a in arrays], out["pixel_values"], out["image_grid_thw"]
+
+
+def chat_ids(grids, g, turns):
+    """A multi-turn prompt: per turn, text, then each of its images as <vision_start> placeholders <vision_end>."""
+    ids = []
+    for k in turns:
+        for grid in grids[:k]:
+            ids += torch.randint(0, 280, (4,), generator=g).tolist() + [START] + [PAD] * int(grid.prod() // 4) + [END]
+        grids = grids[k:]
+        ids += torch.randint(0, 280, (3,), generator=g).tolist()
     return ids
 
 
-def test_splice_equals_reference_embeds():
-    m = vlm()
+@pytest.mark.parametrize("moe", [False, True])
+def test_parity_with_transformers(tmp_path, moe):
+    """Three images of different sizes over two rows (one with two turns, one right-padded): equal logits."""
+    hf = hf_vlm(moe)
+    hf.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(str(tmp_path)).eval()
+    images, pixels, grids = images_and_pixels()
     g = torch.Generator().manual_seed(0)
-    ids = with_images(g, [[2], [], [1, 10]])  # 3 images: row 0 has one, row 1 none, row 2 two
-    images = torch.rand(3, 3, 8, 8, generator=g)
+    rows = [chat_ids(grids[:2], g, [1, 1]), chat_ids(grids[2:], g, [1])]
+    T = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
     with torch.no_grad():
-        feats = m.visual(images)  # (3, 4, 32)
-        embeds = m.model.embed_tokens(ids).clone()
-        i = 0
-        for b, starts in enumerate([[2], [], [1, 10]]):  # by hand: image i fills its run of placeholders
-            for s in starts:
-                embeds[b, s:s + 4] = feats[i]
-                i += 1
-        ref = m(ids, embeds=embeds)
-        out = m(ids, images=images)
-    assert (out - ref).abs().max() <= 1e-6
-    m(ids, images=images).sum().backward()  # the encoder learns through the splice
-    assert m.visual.patch_embed.weight.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match="12 image placeholders .* for 2 images"):
-        m(ids, images=images[:2])
+        ref = hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids,
+                 mm_token_type_ids=(ids == PAD).int()).logits
+        out = ours(ids, pad_mask=mask.bool(), images=images)
+    diff = (ref - out)[mask.bool()].abs().max().item()
+    assert diff <= 1e-5, diff
+    with pytest.raises(ValueError, match=r"13 image placeholders .* for 2 images of \[4, 3\] tokens"):
+        ours(ids, images=images[:2])
 
 
-def test_without_images_exactly_the_text_only_logits(tmp_path):
-    m = vlm(1)
-    text = Transformer(ModelConfig(**{**m.config.__dict__, "vision_layers": 0}))
-    text.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("visual.")})
-    ids = torch.randint(PAD + 1, 64, (2, 11))
+@pytest.mark.parametrize("moe", [False, True])
+def test_round_trip_our_save_to_transformers(tmp_path, moe):
+    from transformers import AutoModelForImageTextToText
+    ours = Transformer.from_pretrained(str(hf_vlm(moe, seed=1).save_pretrained(tmp_path / "a") or tmp_path / "a"))
+    ours.save_pretrained(str(tmp_path / "b"))
+    back = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "b")).float().eval()
+    again = Transformer.from_pretrained(str(tmp_path / "b"))
+    assert again.config == ours.config
+    images, pixels, grids = images_and_pixels(seed=1)
+    ids = torch.tensor([chat_ids(grids, torch.Generator().manual_seed(1), [2, 1])])
     with torch.no_grad():
-        assert torch.equal(m(ids), text(ids))
-        assert torch.equal(m(ids, images=torch.zeros(0, 3, 8, 8)), text(ids))
-    # save/load round-trips the encoder; a text-only config.json has no vision fields
-    m.save_pretrained(str(tmp_path / "v"))
-    text.save_pretrained(str(tmp_path / "t"))
-    assert "vision_layers" not in json.loads((tmp_path / "t" / "config.json").read_text())
-    back = Transformer.from_pretrained(str(tmp_path / "v"))
-    assert back.config == m.config
-    images, ids = torch.rand(1, 3, 8, 8), with_images(torch.Generator().manual_seed(1), [[3]])
-    with torch.no_grad():
-        assert torch.equal(back(ids, images=images), m(ids, images=images))
-    from transformers import AutoModelForCausalLM  # transformers still loads (and runs) the text part
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "v")).float().eval()
-    with torch.no_grad():
-        assert (hf(ids[:, 5:]).logits - m(ids[:, 5:])).abs().max() <= 1e-4
+        a = back(input_ids=ids, pixel_values=pixels, image_grid_thw=grids, mm_token_type_ids=(ids == PAD).int()).logits
+        assert (a - ours(ids, images=images)).abs().max() <= 1e-5
+        assert torch.equal(again(ids, images=images), ours(ids, images=images))
+        text = ids[:, :4]  # no image: exactly the Qwen3(-MoE) decoder alone (M-RoPE's three axes agree)
+        decoder = Transformer(ModelConfig(**{**ours.config.__dict__, "vision": None, "mrope_section": None}))
+        decoder.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith("visual.")})
+        assert torch.equal(decoder(text), ours(text))
 
 
-# ---- the engine and agents with images: the count task over several turns ----
+def test_unsupported_vision_fields_are_named(tmp_path):
+    hf_vlm(False).save_pretrained(tmp_path / "ok")
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    rope = cfg["text_config"]["rope_parameters"]
+    for i, (change, field) in enumerate([({"text_config": cfg["text_config"] | {"rope_parameters": rope | {
+                                             "mrope_interleaved": False}}}, "mrope_interleaved")]):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=field):
+            Transformer.from_pretrained(str(tmp_path / str(i)))
+
+
+# ---- the engine and agents with images: images of other sizes over several turns ----
+
+def vlm(seed=0, vocab=64, pad=PAD, experts=4, top_k=2, vision=True):
+    """A tiny Qwen3-VL-MoE of ours: patch 4, so an image is (H / 8) x (W / 8) tokens."""
+    v = VISION | dict(hidden_size=16, intermediate_size=32, patch_size=4, out_hidden_size=32, num_position_embeddings=4)
+    c = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=16, tie_word_embeddings=False, vision=v if vision else None,
+                    mrope_section=[2, 1, 1] if vision else None, image_token_id=pad)
+    return Transformer(c).init_weights(seed, std=0.3)
+
 
 def count_model(tok, seed, top_k=2):
     return vlm(seed, vocab=len(tok), pad=tok.convert_tokens_to_ids(agent.IMAGE_PAD), top_k=top_k)
@@ -89,15 +143,28 @@ def engine_for(tok, model, **kw):
                        stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], **kw)
 
 
+SHAPES = [(16, 16), (8, 24), (24, 16)]  # (H, W) of each turn's image: 2x2, 1x3 and 3x2 tokens
+
+
+async def shapes_agent(task, llm):
+    """The count task's conversation, with an image of another size (random pixels) in each turn."""
+    ep, tok, g = agent.Episode(), llm.tokenizer, torch.Generator().manual_seed(task["seed"])
+    for turn, (H, W) in enumerate(SHAPES[:task["max_turns"]]):
+        text = agent.IMAGE_PAD * (H // 8 * W // 8) + agent.COUNT_PROMPT
+        ep.append_image(torch.rand(3, H, W, generator=g), agent.turn_suffix(tok, text) if turn else
+                        agent.prompt_ids(tok, text))
+        await agent.model_turn(llm, ep)
+    return ep
+
+
 def count_episodes(tok, engine, n=8, max_turns=3, swap=None):
-    """n count episodes (max_turns images each) on the engine; swap=(steps, model): new weights (version 1)
+    """n episodes (max_turns images each) on the engine; swap=(steps, model): new weights (version 1)
     after that many engine steps, while rows are in flight."""
     async def main():
         async def one(i):
             llm = Policy(engine, tok)
-            task = agent.make_task("count", i, seed=0, group_size=2, max_turns=max_turns, image_size=8, patch_size=4)
             try:  # as in the rollout: a placeholder the policy sampled (it has no image) drops the episode
-                ep = await agent.count(task, llm)
+                ep = await shapes_agent({"seed": i, "max_turns": max_turns}, llm)
                 check_images(ep.ids, ep.images, engine.c)
             except ValueError as e:
                 assert "image placeholders" in str(e)
@@ -120,14 +187,16 @@ def count_episodes(tok, engine, n=8, max_turns=3, swap=None):
 
 
 def test_engine_logprobs_with_images_over_turns_match_the_trainer(tok):
+    """3 turns, an image of another size in each, a weight swap while rows are in flight: the engine's positions
+    after an image are the trainer's M-RoPE ones (which differ from token indices), so the mismatch stays ~1e-7."""
     from train import collate
     m, new = count_model(tok, 2), count_model(tok, 3)
     old = count_model(tok, 2)
     eps = count_episodes(tok, engine_for(tok, m, seed=1), swap=(5, new))  # the re-prefill after the swap has images
     msgs = [episode_to_msg(ep, i, i // 8, record) for i, (ep, record) in enumerate(eps)]
-    assert all(len(ep.images) == 3 and msg["images"].shape == (3, 3, 8, 8) for (ep, _), msg in zip(eps, msgs))
+    assert all([tuple(im.shape[1:]) for im in msg["images"]] == SHAPES for msg in msgs)
     b = collate(msgs, "cpu")  # the trainer's batch: images of all rows, in row order
-    assert b["images"].shape == (24, 3, 8, 8)
+    assert len(b["images"]) == 3 * len(eps)
     versions = b["versions"][:, 1:]
     assert (versions == 0).any() and (versions == 1).any()
     with torch.no_grad():
@@ -135,9 +204,11 @@ def test_engine_logprobs_with_images_over_turns_match_the_trainer(tok):
             logp = torch.log_softmax(model(b["ids"], routing=routing, images=b["images"])[:, :-1], -1)
             logp = logp.gather(-1, b["ids"][:, 1:, None])[..., 0]  # (B, T-1)
             at = versions == v
-            assert at.sum() > 0 and (logp - b["rollout_logp"][:, 1:])[at].abs().max() <= 1e-5
-            # pixels matter: other images give other logprobs
-            other = model(b["ids"], routing=routing, images=b["images"].flip(0))[:, :-1].log_softmax(-1)
+            diff = (logp - b["rollout_logp"][:, 1:])[at].abs()
+            assert at.sum() > 0 and diff.mean() <= 1e-6 and diff.max() <= 1e-5
+            # pixels matter: other images (each row's own, in reverse) give other logprobs
+            other = [im.flip(-1) for im in b["images"]]
+            other = model(b["ids"], routing=routing, images=other)[:, :-1].log_softmax(-1)
             assert (other.gather(-1, b["ids"][:, 1:, None])[..., 0] - logp)[at].abs().max() > 1e-3
 
 
@@ -149,7 +220,7 @@ def test_routing_replay_with_images(tok):
         for layer in perturbed.model.layers:
             layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight))
     for ep, (_, _, engine_routing, _) in eps:  # check_tokens' record: (T, n_moe, k)
-        ids, images = torch.tensor([ep.ids]), torch.stack(ep.images)
+        ids, images = torch.tensor([ep.ids]), ep.images
         with torch.no_grad():
             logits, routing = m(ids, images=images, return_routing=True)  # routing (n_moe, 1, T, k)
             known = engine_routing >= 0  # (T, n_moe, k): every position the engine fed
@@ -163,47 +234,110 @@ def test_routing_replay_with_images(tok):
 def test_bad_images_are_clear_errors_at_the_agent(tok):
     m = count_model(tok, 5)
     engine = engine_for(tok, m)
-    pad = [m.config.image_token_id] * m.config.n_patches
+    pad = [m.config.image_token_id] * 4
     prompt = agent.prompt_ids(tok, "x")
 
     def gen(ids, images, model_engine=engine):
         return asyncio.run(Policy(model_engine, tok).generate(ids, images=images))
-    with pytest.raises(ValueError, match=r"image 0: \(3, 16, 16\), the model takes float \(C, H, W\) = \(3, 8, 8\)"):
-        gen(pad + prompt, [torch.rand(3, 16, 16)])
-    with pytest.raises(ValueError, match=r"image 0: \(1, 8, 8\)"):
-        gen(pad + prompt, [torch.rand(1, 8, 8)])
-    with pytest.raises(ValueError, match="outside"):
-        gen(pad + prompt, [torch.rand(3, 8, 8) * 255])
-    with pytest.raises(ValueError, match="4 image placeholders .* for 2 images of 4 patches"):
-        gen(pad + prompt, [torch.rand(3, 8, 8)] * 2)
-    with pytest.raises(ValueError, match="8 image placeholders .* for 1 images"):
-        gen(pad + pad + prompt, [torch.rand(3, 8, 8)])
-    with pytest.raises(ValueError, match="no vision encoder"):
-        gen(prompt, [torch.rand(3, 8, 8)], engine_for(tok, vlm(vocab=len(tok), vision_layers=0)))
+    with pytest.raises(ValueError, match=r"image 0: \(3, 12, 16\), the model takes float \(3, H, W\) in \[0, 1\], H and W mult"):
+        gen(pad + prompt, [torch.rand(3, 12, 16)])
+    with pytest.raises(ValueError, match=r"image 0: \(1, 16, 16\)"):
+        gen(pad + prompt, [torch.rand(1, 16, 16)])
+    with pytest.raises(ValueError, match=r"image 0: \(3, 16, 16\), the model takes float \(3, H, W\) in \[0, 1\]"):
+        gen(pad + prompt, [torch.rand(3, 16, 16) * 255])
+    with pytest.raises(ValueError, match=r"4 image placeholders .* for 2 images of \[4, 4\] tokens"):
+        gen(pad + prompt, [torch.rand(3, 16, 16)] * 2)
+    with pytest.raises(ValueError, match=r"8 image placeholders .* for 1 images of \[4\] tokens"):
+        gen(pad + pad + prompt, [torch.rand(3, 16, 16)])
+    with pytest.raises(ValueError, match="the engine takes none"):
+        gen(prompt, [torch.rand(3, 16, 16)], engine_for(tok, vlm(vocab=len(tok), vision=False)))
     assert not engine.waiting and engine.tokens_generated == 0  # nothing reached the engine
-    ep = agent.Episode()
-    for bad in (torch.rand(8, 8), torch.ones(3, 8, 8, dtype=torch.long), [[0.0]]):
-        with pytest.raises(ValueError, match="an image must be a float tensor"):
-            ep.append_image(bad, pad)
-    assert ep.ids == [] and ep.images == []
+    for bad in (torch.rand(8, 8), torch.ones(3, 16, 16, dtype=torch.long), [[0.0]]):  # as ep.append_image gives them
+        with pytest.raises(ValueError, match=r"image 0: .*, the model takes float \(3, H, W\)"):
+            gen(pad + prompt, [bad])
+    assert not engine.waiting and engine.tokens_generated == 0
+
+
+# ---- chat agents: OpenAI image_url content parts through the endpoint ----
+
+def data_url(img, fmt="PNG"):
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_two_turn_chat_with_an_image_in_each_turn_is_token_exact(tok):
+    """The official openai client sends a PNG, then (after the model's reply) a JPEG of another size that the
+    processor's rounding resizes: one segment, every sampled id trained once, the pixels the engine saw recorded."""
+    import numpy as np
+    import openai
+    from PIL import Image
+    from test_endpoint import chat_episode
+    rng = np.random.default_rng(0)
+    png, jpeg = (Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(16, 16), (20, 12)])
+
+    async def two_turns(client, llm):
+        msgs = []
+        for text, url in [("How many squares?", data_url(png)), ("And now?", data_url(jpeg, "JPEG"))]:
+            msgs.append({"role": "user", "content": [{"type": "text", "text": text},
+                                                     {"type": "image_url", "image_url": {"url": url}}]})
+            r = await client.chat.completions.create(model=llm.model, messages=msgs)
+            msgs.append(r.choices[0].message.model_dump(exclude_none=True))
+        errors = {}
+        for name, part in [("remote", {"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}),
+                           ("base64", {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}),
+                           ("gif", {"type": "image_url", "image_url": {"url": data_url(png, "GIF")}}),
+                           ("huge", {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (4097, 4097)))}}),
+                           ("part", {"type": "video", "video": "x"})]:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(model=llm.model, messages=msgs + [
+                    {"role": "user", "content": [{"type": "text", "text": "x"}, part]}])
+            errors[name] = e.value.body
+        return errors
+    engine = engine_for(tok, count_model(tok, 6))
+    llm, errors = chat_episode(engine, tok, two_turns, stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+    for name, words in [("remote", "only data: URLs"), ("base64", "not a PNG or JPEG"), ("gif", "not a PNG or JPEG"),
+                        ("huge", "4097x4097 pixels is over"), ("part", "a part is {'type': 'text'")]:
+        assert errors[name]["param"] == "messages[4].content[1]" and words in errors[name]["message"], errors[name]
+    [(ep, calls)] = endpoint.segments(llm, 1.0)  # the refused calls left no trace
+    engine_ids = check_tokens(ep, calls)[-1]
+    assert len(calls) == 2 and torch.equal(torch.tensor(ep.ids)[torch.tensor(ep.loss_mask).bool()], engine_ids)
+    assert [tuple(im.shape) for im in ep.images] == [(3, 16, 16), (3, 16, 16)]  # 20 x 12 rounds to 16 x 16
+    assert torch.equal(ep.images[0], torch.tensor(np.asarray(png)).permute(2, 0, 1) / 255)
+    assert ep.ids.count(tok.convert_tokens_to_ids(agent.IMAGE_PAD)) == 8
+    with torch.no_grad():  # the trainer's recompute on the recorded pixels is the engine's sampling
+        logp = engine.model(torch.tensor([ep.ids]), images=ep.images)[0, :-1].log_softmax(-1)
+    logp = logp.gather(-1, torch.tensor(ep.ids[1:])[:, None])[:, 0]
+    at = torch.tensor(ep.loss_mask[1:]).bool()
+    rollout_logp = torch.tensor(check_tokens(ep, calls)[0][1:])
+    assert (logp - rollout_logp)[at].abs().max() <= 1e-5
+
+
+def test_an_image_for_a_text_only_model_is_a_400(tok):
+    import openai
+    from PIL import Image
+    from test_endpoint import chat_episode, dense_engine
+
+    async def one(client, llm):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (8, 8)))}}]}])
+        return e.value.body
+    _, error = chat_episode(dense_engine(tok), tok, one)
+    assert error["param"] == "messages[0].content[0]" and "no vision tower" in error["message"]
 
 
 @pytest.mark.slow
-def test_image_count_reward_rises(tmp_path):
-    """Two seeds, the rise averaged: the first right answer of a near-uniform policy over 384 tokens is luck (about
-    one episode in 400), and one seed (0, with the per-episode sampler) saw none in its first 30 steps."""
-    rises, fresh = [], []
-    for seed in (0, 1):
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs",
-               "image_count.py"), f"--out_dir={tmp_path / str(seed)}", "--ckpt_every=0", "--max_steps=60",
-               "--prompts_per_step=8", "--lr=1e-3", f"--seed={seed}"]
-        r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
-                           timeout=300, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[-3000:]
-        ms = [json.loads(l) for l in open(tmp_path / str(seed) / "metrics.jsonl")]
-        rewards = [m["reward/mean"] for m in ms]
-        rises.append(sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10)
-        fresh += [m for m in ms if m["mismatch/tokens"]]
-    # in 60 steps at lr 1e-3 it mostly learns to answer with a digit (~0.003 -> ~0.2); counting takes the recipe's 200
-    assert sum(rises) / 2 > 0.1, rises
+def test_image_count_learns_to_count_on_held_out_images(tmp_path):
+    """The recipe's first 60 of 200 steps: held-out pass@1 (32 images x 4 samples at temperature 1) from 0 to > 0.1.
+    Measured: 0 -> 0.195 at step 60 (seed 0), 0.133 (seed 1); 0.5 by step 100, 0.92 and 0.74 later (README)."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "image_count.py"),
+           f"--out_dir={tmp_path}", "--ckpt_every=0", "--max_steps=60", "--eval_at_start"]
+    r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=900, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    evals = [(m["step"], m["eval/pass@1"]) for m in ms if "eval/pass@1" in m]
+    assert [s for s, _ in evals] == [0, 20, 40, 60] and evals[0][1] <= 0.05 and evals[-1][1] > 0.1, evals
+    fresh = [m for m in ms if m.get("mismatch/tokens")]
     assert fresh and all(m["mismatch/logprob_abs_diff"] < 1e-5 for m in fresh)
