@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3VLForConditionalGeneration": "qwen3",
@@ -322,6 +323,7 @@ class Transformer(nn.Module):
         self.model.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
         self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.checkpointing = False  # activation checkpointing: each block recomputed in backward (replay included)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if c.vision:
@@ -380,7 +382,8 @@ class Transformer(nn.Module):
         routes = []  # each MoE layer's experts (B, T, top_k); routing[len(routes)] is the next MoE layer's
         for i, layer in enumerate(self.model.layers):
             replay = routing[len(routes)] if routing is not None and isinstance(layer.mlp, MoE) else None
-            x, experts = layer(x, cos, sin, mask, partial(kv, i) if cache is not None else None, replay, aux_mask)
+            run = partial(checkpoint, layer, use_reentrant=False) if self.checkpointing and x.requires_grad else layer
+            x, experts = run(x, cos, sin, mask, partial(kv, i) if cache is not None else None, replay, aux_mask)
             if experts is not None:
                 routes.append(experts)
             if i < len(deep):  # DeepStack: an intermediate vision block's features added to the image tokens

@@ -137,6 +137,7 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
     else:
         model = adapt(Transformer.from_pretrained(path, device=device))
         model.load_state_dict(adapters or {}, strict=False)
+    model.checkpointing = cfg.activation_checkpointing and not frozen
     for name, p in model.named_parameters():  # LoRA: the base frozen (no gradient, no optimizer state)
         p.requires_grad_(not frozen and (not targets or ".lora_" in name))
     return model

@@ -53,6 +53,7 @@ def main(out, mode="", *args):
     model = Transformer(c).init_weights(0, std=0.2)
     ref = Transformer(c).init_weights(1, std=0.2).requires_grad_(False) if mode == "kl" else None
     msgs = make_msgs(model, 7, 1)
+    model.checkpointing = cfg.activation_checkpointing  # as train.build_model sets it (after make_msgs: no_grad)
     if mode == "lora":  # the base saved once; adapters given (B nonzero: A gets gradients too), as on a resume
         base = out + ".base"
         if rank == 0:

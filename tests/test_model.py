@@ -134,6 +134,28 @@ def test_replay_router_gradient(tmp_path):
     assert m.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
 
 
+def test_activation_checkpointing_recomputes_each_block_with_the_replayed_experts(tmp_path, monkeypatch):
+    """Each block runs again in backward (twice the block forwards) and the gradients are those of keeping its
+    activations, with replayed experts that are not the router's own choice (a recompute routing freely differs)."""
+    hf_model(True, tied=False).save_pretrained(tmp_path)
+    m = Transformer.from_pretrained(str(tmp_path))
+    ids = torch.randint(0, V, (2, 7))
+    with torch.no_grad():
+        _, routing = m(ids, return_routing=True)
+    routing = (routing + 1) % m.config.num_experts  # other experts than the router picks: only replay gives them
+    calls, block = [], type(m.model.layers[0])  # counted in forward itself: a recompute runs no module hooks
+    monkeypatch.setattr(block, "forward", lambda self, *a, f=block.forward: calls.append(1) or f(self, *a))
+    grads = []
+    for checkpointing in (False, True):
+        m.zero_grad()
+        m.checkpointing, n = checkpointing, len(calls)
+        m(ids, routing=routing).square().mean().backward()
+        grads.append({k: p.grad.clone() for k, p in m.named_parameters()})
+        assert len(calls) - n == len(m.model.layers) * (1 + checkpointing)
+    assert all((grads[0][k] - grads[1][k]).abs().max() <= 1e-6 for k in grads[0])
+    assert grads[0]["model.layers.0.mlp.gate.weight"].abs().sum() > 0
+
+
 def test_bad_checkpoints(tmp_path):
     hf_model(True, tied=False).save_pretrained(tmp_path / "ok")
     with pytest.raises(FileNotFoundError, match="config.json"):

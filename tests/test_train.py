@@ -14,9 +14,11 @@ ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 # vision: rank 0 has images, rank 1 none (its encoder idles); kl: a reference model, and rank 1 has an empty
 # micro-batch (it hung there: the reference's all-gathers waited for it); mini: two updates per batch
 # reshard_after_forward: on CPU the default keeps gathered weights; "true" runs the GPU's pattern (gathered again
-# in backward), here with a reference and an empty micro-batch, and with two updates
+# in backward), here with a reference and an empty micro-batch, and with two updates; activation_checkpointing:
+# blocks recomputed in backward under FSDP (their weights gathered again there), with images too
 @pytest.mark.parametrize("mode", ["", "vision", "kl", "mini", "kl --reshard_after_forward=true",
-                                  "mini --reshard_after_forward=true"])
+                                  "mini --reshard_after_forward=true", "kl --activation_checkpointing=true",
+                                  "vision --activation_checkpointing=true --reshard_after_forward=true"])
 def test_fsdp_two_ranks_equal_one_process(tmp_path, mode):
     worker, arg = os.path.join(ROOT, "tests", "fsdp_worker.py"), mode.split()
     subprocess.run([sys.executable, worker, str(tmp_path / "one.pt"), *arg], check=True, env=ENV, cwd=ROOT, timeout=300)
