@@ -205,7 +205,8 @@ def main():
     for f in ("metrics.jsonl", "faults.jsonl", "train.log", "soak_rss.csv"):  # a fresh run, not a resume
         if os.path.exists(os.path.join(out, f)):
             os.remove(os.path.join(out, f))
-    env = {**os.environ, "PYTHONPATH": ROOT, "SOAK_FAULT_RATE": str(args.rate),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), ROOT])),
+           "SOAK_FAULT_RATE": str(args.rate),
            "SOAK_FAULT_LOG": os.path.join(out, "faults.jsonl")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
