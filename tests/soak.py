@@ -71,6 +71,8 @@ def role(pid, table, launcher):
         except (OSError, StopIteration):
             rank = "?"
         return f"rank{rank}"
+    if ("resource_tracker" in cmd or "spawn_main" in cmd) and "train.py" not in table.get(ppid, (0, "", ""))[2]:
+        return f"server:{comm}"  # a server engine's own (SGLang's scheduler before it renames itself, its tracker)
     if "resource_tracker" in cmd:
         return "resource_tracker"
     if "spawn_main" in cmd:
