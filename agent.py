@@ -246,8 +246,8 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
         reader, timed_out = asyncio.ensure_future(drain()), False
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
-            timed_out = True
+        except TimeoutError:  # unless it ended meanwhile: a loop busy past the deadline sees both at once
+            timed_out = proc.returncode is None
         finally:  # runs on success, timeout and cancellation alike: nothing may outlive the main process
             with contextlib.suppress(OSError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the group leader can't leave it; its forks die with the pid ns

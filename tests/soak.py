@@ -71,6 +71,8 @@ def role(pid, table, launcher):
         except (OSError, StopIteration):
             rank = "?"
         return f"rank{rank}"
+    if ("resource_tracker" in cmd or "spawn_main" in cmd) and "train.py" not in table.get(ppid, (0, "", ""))[2]:
+        return f"server:{comm}"  # a server engine's own (SGLang's scheduler before it renames itself, its tracker)
     if "resource_tracker" in cmd:
         return "resource_tracker"
     if "spawn_main" in cmd:
@@ -205,7 +207,8 @@ def main():
     for f in ("metrics.jsonl", "faults.jsonl", "train.log", "soak_rss.csv"):  # a fresh run, not a resume
         if os.path.exists(os.path.join(out, f)):
             os.remove(os.path.join(out, f))
-    env = {**os.environ, "PYTHONPATH": ROOT, "SOAK_FAULT_RATE": str(args.rate),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), ROOT])),
+           "SOAK_FAULT_RATE": str(args.rate),
            "SOAK_FAULT_LOG": os.path.join(out, "faults.jsonl")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),

@@ -15,6 +15,7 @@ episode that reached the trainer would show as episode/injected_malformed > 0 in
 """
 import ast
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -36,7 +37,13 @@ KINDS = {  # kind -> the rollout counter it must land in ("trained": the episode
     "tool_fork_bomb": "trained",
     "tool_output": "trained",
     "tool_escape": "trained",  # write outside its directory, read our environment and fds
+    # requests to the episode's endpoint (an agent program's): refused with the promised status, the episode as usual
+    "http_wrong_key": "trained",
+    "http_malformed": "trained",  # a body that is not JSON
+    "http_huge": "trained",  # over the endpoint's 64 MiB
+    "http_disconnect": "trained",  # a chat request whose client hangs up before the answer: a chat episode then
 }
+HTTP_STATUS = {"http_wrong_key": 401, "http_malformed": 400, "http_huge": 413}
 BOMB = "soakbomb"  # the process name of fork-bomb processes: tests/soak.py checks none outlive the run
 
 
@@ -103,6 +110,37 @@ class FaultyLLM:
         return await self.llm.generate(list(ids) + [10**6])  # bad_prompt: must fail in this agent only
 
 
+async def post(llm, body: bytes, key=None, hang_up=False):
+    """A raw HTTP POST of body to the episode's chat endpoint -> the status (hang_up: close once sent -> None)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(llm.base_url.split(":")[2].split("/")[0]))
+    path = llm.base_url.split(":", 2)[2].split("/", 1)[1]
+    writer.write(f"POST /{path}/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Authorization: Bearer {key or llm.api_key}\r\nContent-Length: {len(body)}\r\n"
+                 "Connection: close\r\n\r\n".encode() + body)
+    with contextlib.suppress(ConnectionError):  # a server may answer (413) and close before it read everything
+        await writer.drain()
+    status = None if hang_up else int((await reader.readline()).split()[1])
+    writer.close()
+    return status
+
+
+async def http_fault(kind, llm):
+    """-> (the endpoint answered as promised, a chat-level result or None: the token-level game follows)."""
+    chat = json.dumps({"model": llm.model, "messages": [{"role": "user", "content": "Guess a number."}]}).encode()
+    if kind in HTTP_STATUS:
+        # (the 65 MiB only for http_huge: built for every kind, it stalled the rollout's loop 0.1-0.5 s a fault)
+        body = b"{not json" if kind == "http_malformed" else b'{"x": "' + b"x" * (65 << 20) + b'"}' \
+            if kind == "http_huge" else chat
+        return await post(llm, body, key="wrong" if kind == "http_wrong_key" else None) == HTTP_STATUS[kind], None
+    await post(llm, chat, hang_up=True)  # the endpoint still samples the answer and records it
+    for _ in range(3000):
+        if llm.calls:
+            break
+        await asyncio.sleep(0.01)
+    ok = bool(llm.calls) and await post(llm, chat) == 200  # and it still serves the episode
+    return ok and len(llm.segs) == 2, 0.0  # two segments (the same prompt twice), both trained
+
+
 async def run(task, llm):
     kind = fault_for(task["index"])
     if kind is None:
@@ -116,6 +154,14 @@ async def run(task, llm):
         ok, out = await run_tool(code, timeout_s=task["tool_timeout"], memory_mb=task["tool_memory_mb"])
         calls, errors, uncontained = 1, int(not ok), int(not promised(ok, out))
         entry.update(contained=not uncontained, observation=out[:200])
+    if kind in HTTP_STATUS or kind == "http_disconnect":
+        ok, result = await http_fault(kind, llm)
+        uncontained = int(not ok)
+        entry.update(contained=ok)
+        if result is not None:
+            log(entry)
+            return {"reward": result, "info": {"tool_calls": 0, "tool_errors": 0, "tool_uncontained": int(not ok),
+                                               "injected_malformed": 0}}
     log(entry)  # agent faults: before the fault (a hang never comes back to log it)
     llm = FaultyLLM(llm, kind)
     ep = await guess(task, llm)

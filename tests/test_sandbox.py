@@ -70,6 +70,20 @@ def test_sleep_is_cut_at_the_time_limit():
     assert not ok and out.startswith("error: timed out after 1.0s") and "started" in out
 
 
+
+def test_code_that_ended_in_time_is_not_called_timed_out_when_the_event_loop_ran_late():
+    """The rollout's loop is shared with the engine and every agent: busy past a call's deadline (tests/soak_agent.py
+    saw it under load), it must still report the crash that ended the code before the deadline, not a time-out."""
+    async def main():
+        async def busy():  # from 0.3 s to 2.3 s: the code aborts at ~0.5 s, the deadline is at 1 s
+            await asyncio.sleep(0.3)
+            time.sleep(2.0)
+        (ok, out), _ = await asyncio.gather(run_tool("import os, time\ntime.sleep(0.5)\nos.abort()", timeout_s=1.0),
+                                            busy())
+        return ok, out
+    ok, out = asyncio.run(main())
+    assert not ok and out.startswith("error: killed by signal 6"), out
+
 def test_memory_hog_fails_with_an_error():
     ok, out = run("x = bytearray(2 * 1024**3)\nprint('allocated')", memory_mb=256)
     assert not ok and "MemoryError" in out and "allocated" not in out

@@ -39,11 +39,12 @@ def test_injected_faults_are_counted_dropped_and_never_trained(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [m["step"] for m in ms] == list(range(1, 7))
+    injected = {e["index"]: e for e in map(json.loads, open(log))}
+    uncontained = [e for e in injected.values() if e.get("contained") is False]  # (named, should one ever be)
     # nothing malformed was trained: every trained episode says whether it carried an injected malformation
     for m in ms:
         assert math.isfinite(m["reward/mean"]) and math.isfinite(m["loss/policy"])
-        assert m["episode/injected_malformed"] == 0 and m["episode/tool_uncontained"] == 0
-    injected = {e["index"]: e for e in map(json.loads, open(log))}
+        assert m["episode/injected_malformed"] == 0 and m["episode/tool_uncontained"] == 0, uncontained
     drops = {int(i): key for i, key in re.findall(r"\[rollout\] episode (\d+) dropped \((\w+)\)", r.stderr)}
     for i, key in drops.items():  # each drop: an agent fault under its own counter, or a slow episode timing out
         expect = injected.get(i, {}).get("expect", "agent_timeouts")  # (not injected, or a tool fault: slow)
@@ -52,7 +53,7 @@ def test_injected_faults_are_counted_dropped_and_never_trained(tmp_path):
     assert {injected[i]["kind"] for i in drops if i in injected} == agent_kinds  # each kind, dropped
     tools = [e for e in injected.values() if e["expect"] == "trained"]
     assert {e["kind"] for e in tools} == set(KINDS) - agent_kinds
-    assert all(e["contained"] for e in tools), [e for e in tools if not e["contained"]]
+    assert all(e["contained"] for e in tools), uncontained
     # a failed tool call is an observation, not a lost episode (unless it made the episode too slow)
     assert not any(drops.get(e["index"], "agent_timeouts") != "agent_timeouts" for e in tools)
     assert sum(m["episode/tool_calls"] for m in ms) > 0 and sum(m["episode/tool_errors"] for m in ms) > 0
