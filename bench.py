@@ -107,6 +107,17 @@ def bench_fixed():
           f"= {' '.join(ARITH)}", ["setting", "ranks", "commit", *keys, "weight_sync share", "steps/s"], rows)
 
 
+def bench_checkpointing():
+    """activation_checkpointing on the SmolLM2 recipe (evaluation off); the baseline: the same run keeping the blocks'
+    activations. Trainer tokens/s (medians after step 1) and rank 0's peak resident memory at the end."""
+    runs = {on: run_train(["--config", "configs/smollm2_cpu.py", "--adam_eps=1e-8", "--eval_every=0", f"--max_steps="
+                           f"{3 if args.quick else 6}", f"--activation_checkpointing={on}"]) for on in (True, False)}
+    peak = {on: ms[-1]["memory/peak_mb"] for on, ms in runs.items()}
+    table("activation checkpointing, configs/smollm2_cpu.py", ["", "train tokens/s", "peak memory", "ratio to off"],
+          [(f"activation_checkpointing={on}", f"{med(m['throughput/train_tokens_per_s'] for m in ms[1:]):.0f}",
+            f"{peak[on]:,.0f} MB", f"{peak[on] / peak[False]:.2f}") for on, ms in runs.items()])
+
+
 def bench_trl():
     """The baseline is TRL's GRPOTrainer (tests/trl_arith.py, under --trl_python) on the same initial weights, prompt
     ids, batch, sampling and lr as train.py at the arith setting; one process each, the same number of steps."""
@@ -196,7 +207,7 @@ def bench_endpoint():
 
 
 BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
-           "endpoint": bench_endpoint, "eval": bench_eval}
+           "endpoint": bench_endpoint, "eval": bench_eval, "checkpointing": bench_checkpointing}
 if __name__ == "__main__":  # not in a rollout process a section spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")

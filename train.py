@@ -19,6 +19,7 @@ import datetime
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import time
@@ -331,6 +332,8 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
         "grad/norm": sum(finite) / len(finite) if finite else math.nan, "train/updates": n,
         "train/skipped_steps": counters["skipped_steps"], **{f"time/{k}": v for k, v in times.items()},
         "throughput/rollout_tokens_per_s": rollout_rate, "throughput/train_tokens_per_s": s["tokens"] / times["train"],
+        "memory/peak_mb": (torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available()  # rank 0's, so far
+                           else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),  # CPU: resident set
         **{f"rollout/{k}": (stats | counters)[k] for k in (*rollout.COUNTS, "dropped_stale", "filtered_groups")},
         **{f"episode/{k}": sum(m["info"].get(k, 0.0) for m in episodes) / len(episodes)
            for k in sorted({k for m in episodes for k in m["info"]})},
