@@ -754,7 +754,7 @@ SERVERS = {"vllm": dict(command=vllm_command, generate=vllm_generate, load_weigh
 
 
 class ServerEngine:
-    """Round-robin over the servers (data parallel), HTTP calls in threads; run() swaps weights."""
+    """Episodes spread over the servers (data parallel), HTTP calls in threads; run() swaps weights."""
     def __init__(self, kind, urls, *, model_config, weights_dir, logs=None, temperature=1.0, top_p=1.0, top_k=0,
                  max_new_tokens=16, max_len=512, stop_ids=(), seed=0, version=None, timeout=600.0, concurrency=64,
                  weights=None, lock=None, sync="disk"):
@@ -785,7 +785,8 @@ class ServerEngine:
         version, i = self.version, next(self.calls)
         seed = int(uniform([[self.seed, *(key or (-1, i))]])[0] * 2**31)  # per request, as the torch engine's
         p = dict(self.params, max_new_tokens=max_new, seed=seed) | (sampling or {})  # draws (sampling_seed, seed)
-        out, logprobs, experts = await self._submit(i % len(self.urls), [*ids], p)
+        # an episode's calls all go to one server (its radix cache keeps their shared prefix); unkeyed: round-robin
+        out, logprobs, experts = await self._submit((key[0] if key else i) % len(self.urls), [*ids], p)
         self.tokens_generated += len(out)
         routing = None
         if experts is not None and self.moe_layers:  # every fed position: (T-1, layers, k)

@@ -194,6 +194,26 @@ def test_dense_model_asks_for_no_routing_and_servers_take_turns(tmp_path):
         f.close()
 
 
+def test_every_call_of_an_episode_goes_to_one_server(tmp_path):
+    """A multi-turn episode's turns share their prefix: one server keeps it in its radix cache only if all of them go
+    there. Episodes 0..2, 3 calls each, interleaved (3: round-robin by call would move each episode every turn): each
+    episode's calls on one server, the episodes over both."""
+    fakes = [FakeSGLang(384), FakeSGLang(384)]
+    e = sglang_engine(fakes, tmp_path, tiny_config(384))
+
+    async def turns():
+        return [await e.generate([1, 60 + ep, 70 + call], key=(ep, call)) for call in range(3) for ep in range(3)]
+    drive(e, turns)
+    where = {}
+    for k, f in enumerate(fakes):
+        for body in f.calls("/generate"):
+            where.setdefault(body["input_ids"][0][1] - 60, set()).add(k)
+    assert sorted(where) == [0, 1, 2] and all(len(s) == 1 for s in where.values()), where
+    assert {k for s in where.values() for k in s} == {0, 1}
+    for f in fakes:
+        f.close()
+
+
 def test_requests_made_together_share_one_generate_call(tmp_path):
     """SGLang's /generate takes many prompts: the requests of one moment go in one call, each gets its answer."""
     fake = FakeSGLang(384)
