@@ -119,12 +119,14 @@ def test_train_step_in_bf16_with_fp32_master_weights(tmp_path):
         dist.destroy_process_group()
 
 
-def test_a_bf16_run_logs_mismatch(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--activation_checkpointing=true"]])  # FSDP2 on CUDA reshards: AC re-gathers
+def test_a_bf16_run_logs_mismatch(tmp_path, extra):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
-           f"--out_dir={tmp_path}", "--dtype=bfloat16", "--max_steps=4", "--max_staleness=0", "--ckpt_every=0"]
+           f"--out_dir={tmp_path}", "--dtype=bfloat16", "--max_steps=4", "--max_staleness=0", "--ckpt_every=0", *extra]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(ms) == 4 and all(m["staleness/max"] == 0 and m["mismatch/tokens"] == m["tokens/trained"] for m in ms)
+    assert all(m["memory/peak_mb"] > 0 and math.isfinite(m["grad/norm"]) for m in ms)  # CUDA's allocated peak
     for m in ms:  # bf16 trainer against the engine's fp32 copy: small, but not the fp32 run's ~1e-7
         assert 0 < m["mismatch/logprob_abs_diff"] < 0.1 and math.isfinite(m["mismatch/kl"])
