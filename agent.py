@@ -22,21 +22,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 # ---- tokenizer: a tiny byte-level BPE for models trained from scratch ----
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"]
 # ChatML as in Qwen3's template, minus thinking: a system turn, tools, tool calls and tool results in its
-# <tool_call> / <tool_response> format (what endpoint.py parses).
-CHAT_TEMPLATE = (
-    "{% set sys = messages[0]['role'] == 'system' %}{% if tools %}<|im_start|>system\n"
-    "{% if sys %}{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n<tools>"
-    "{% for t in tools %}{{ '\\n' ~ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\nCall one as <tool_call>\n"
-    "{\"name\": <name>, \"arguments\": <args-json-object>}\n"
-    "</tool_call><|im_end|>\n{% elif sys %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}{% if m['role'] == 'tool' %}{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool'"
-    " %}<|im_start|>user{% endif %}{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>{% if loop.last or "
-    "messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}{% elif not (loop.first and sys) %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
-    "{{ '\\n' if m['content'] or not loop.first }}{% set f = c['function'] %}<tool_call>\n{\"name\": \""
-    "{{ f['name'] }}\", \"arguments\": {{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}"
-    "}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# <tool_call> / <tool_response> format (what endpoint.py parses). Frozen, as the tokenizer's merges are.
+CHAT_TEMPLATE = Path(__file__).with_name("assets").joinpath("chat_template.jinja").read_text()
 # Feedback repeats the guess ("4 is too low"): the last message then holds all a simple strategy needs,
 # which is what lets a tiny model learn the game from scratch in minutes.
 GUESS_PROMPT = "Guess my number from 1 to {}."

@@ -1,6 +1,7 @@
 """python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each as
 measured, baseline and ratio, on all cores (scale, memory, flops: commit 8482101; moe, publish: d207298; trainer:
-290f213). On a shared machine one section at a time: flock /tmp/nanomolt-cpu.lock python bench.py X"""
+290f213; endpoint, eval, checkpointing: b5d64a7). On a shared machine one section at a time:
+    flock /tmp/nanomolt-cpu.lock python bench.py X"""
 import argparse
 import asyncio
 import itertools
@@ -18,9 +19,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # generate() warns abo
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-import agent  # noqa: E402
 import config  # noqa: E402
-import endpoint  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 from model_moe import Transformer, convert_gguf  # noqa: E402
@@ -75,21 +74,6 @@ def bench_parity():
           "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall", "ratio"], rows)
 
 
-def bench_eval():
-    """What evaluation costs the default recipe (it evaluates every 10 steps); the baseline: the same runs with
-    --eval_every=0, interleaved over seeds. Beside it, the evaluations' own wall time (eval/time, in the rollout)."""
-    steps, seeds = (60, 1) if args.quick else (200, 2)
-    runs = [[run_train([f"--max_steps={steps}", f"--seed={i}", f"--eval_every={e}"]) for e in (10, 0)]
-            for i in range(seeds)]
-    wall = [[sum(m["time/step"] for m in ms) for ms in r] for r in runs]  # the loops' wall, start-up excluded
-    evals = [sum(m.get("eval/time", 0) for m in r[0]) for r in runs]
-    table(f"evaluation: {steps} steps of configs/guess.py, eval_every=10 (16 prompts x 4 samples) vs 0", ["seed",
-          "wall with (measured)", "without (baseline)", "ratio", "cost", "evaluations' own time", "trainer waited"],
-          [(i, f"{a:.1f} s", f"{b:.1f} s", f"{a / b:.3f}", f"{a - b:+.1f} s", f"{e:.1f} s",
-            f"{sum(m['time/wait_eval'] for m in r[0]):.1f} s")
-           for i, ((a, b), e, r) in enumerate(zip(wall, evals, runs))])
-
-
 def bench_fixed():
     """A step's parts (metrics.jsonl medians after warm-up); the baseline: commit --before's train.py (git archive)."""
     steps, warm = (6, 2) if args.quick else (100, 20)
@@ -105,17 +89,6 @@ def bench_fixed():
                          f"{t['weight_sync'] / t['step']:.1%}", f"{len(ms) / sum(m['time/step'] for m in ms):.2f}"))
     table(f"a step's parts, medians of steps {warm + 1}..{steps} ({args.before} logs no handout: in other); arith "
           f"= {' '.join(ARITH)}", ["setting", "ranks", "commit", *keys, "weight_sync share", "steps/s"], rows)
-
-
-def bench_checkpointing():
-    """activation_checkpointing on the SmolLM2 recipe (evaluation off); the baseline: the same run keeping the blocks'
-    activations. Trainer tokens/s (medians after step 1) and rank 0's peak resident memory at the end."""
-    runs = {on: run_train(["--config", "configs/smollm2_cpu.py", "--adam_eps=1e-8", "--eval_every=0", f"--max_steps="
-                           f"{3 if args.quick else 6}", f"--activation_checkpointing={on}"]) for on in (True, False)}
-    peak = {on: ms[-1]["memory/peak_mb"] for on, ms in runs.items()}
-    table("activation checkpointing, configs/smollm2_cpu.py", ["", "train tokens/s", "peak memory", "ratio to off"],
-          [(f"activation_checkpointing={on}", f"{med(m['throughput/train_tokens_per_s'] for m in ms[1:]):.0f}",
-            f"{peak[on]:,.0f} MB", f"{peak[on] / peak[False]:.2f}") for on, ms in runs.items()])
 
 
 def bench_trl():
@@ -170,44 +143,7 @@ def bench_engine():
           "(measured)", "HF generate tok/s (baseline)", "ratio", "memory bound tok/s", "engine / bound"], rows)
 
 
-def bench_endpoint():
-    """The baseline: the same 3-turn chats by a token-level agent on llm.generate, on the same engine and weights."""
-    n, repeats = (16, 1) if args.quick else (64, 1 if args.model else 5)
-    d = args.model or train.tiny_init(config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}"]), 0, False)
-    tok, model = rollout._tokenizer(d), Transformer.from_pretrained(d)
-    ask, turn = agent.GUESS_PROMPT.format(7), {"role": "user", "content": "4 is too low"}
-
-    async def chat(llm):  # a client as calc makes one; the episode is the endpoint's record
-        msgs = [{"role": "user", "content": ask}]
-        async with agent.openai_client(llm) as client:
-            for _ in range(3):
-                m = (await client.chat.completions.create(model=llm.model, messages=msgs)).choices[0].message
-                msgs += [m.model_dump(exclude_none=True), turn]
-        return [rollout.check_tokens(*s) for s in endpoint.segments(llm, 0.0)]
-
-    async def tokens(llm):  # the same turns as token ids
-        ep = agent.Episode(ids=(p := agent.prompt_ids(tok, ask)), loss_mask=[0] * len(p))
-        for _ in range(3):
-            await agent.model_turn(llm, ep)
-            ep.append(agent.turn_suffix(tok, turn["content"]))
-        return rollout.check_tokens(ep, llm.calls)
-
-    async def episodes(fn, new):  # n at once; no stop token: every turn samples `new` tokens
-        engine = rollout.TorchEngine(model, slots=n, max_len=320, max_new_tokens=new)
-        server, loop = await endpoint.serve(tok, {}, engine.stop_ids), asyncio.create_task(engine.run())  # {}: none
-        await asyncio.gather(*(fn(endpoint.attach(server, rollout.Policy(engine, tok))) for _ in range(n)))
-        loop.cancel()
-        await server["runner"].cleanup()
-    t = {new: timed({"chat": lambda: asyncio.run(episodes(chat, new)),
-                     "generate": lambda: asyncio.run(episodes(tokens, new))}, repeats) for new in (16, 64)}
-    table(f"endpoint: {n} 3-turn chats at once, {os.path.basename(args.model) or 'tiny MoE'}, episodes/s, median of "
-          f"{repeats}", ["tokens a turn", "endpoint + openai (measured)", "llm.generate (baseline)", "ratio", "target"],
-          [(k, f"{n / v['chat']:.1f}", f"{n / v['generate']:.1f}", f"{v['generate'] / v['chat']:.2f}", ">= 0.8")
-           for k, v in t.items()])
-
-
-BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
-           "endpoint": bench_endpoint, "eval": bench_eval, "checkpointing": bench_checkpointing}
+BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl}
 if __name__ == "__main__":  # not in a rollout process a section spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")
@@ -215,7 +151,7 @@ if __name__ == "__main__":  # not in a rollout process a section spawns
     ap.add_argument("--threads", type=int, default=0, help="engine: torch.set_num_threads (0: all cores)")
     ap.add_argument("--before", default="8482101", help="fixed: the baseline commit")
     ap.add_argument("--trl_python", default="python", help="trl: the interpreter of a venv with trl installed")
-    ap.add_argument("--model", default="", help="engine, endpoint: a model dir or .gguf (default: tiny MoE)")
+    ap.add_argument("--model", default="", help="engine: a model dir or .gguf (default: tiny MoE)")
     args = ap.parse_args()
     args.model = convert_gguf(args.model) if args.model.endswith(".gguf") else args.model  # once, beside it
     os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
