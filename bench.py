@@ -1,6 +1,6 @@
 """python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each as
 measured, baseline and ratio, on all cores (scale, memory, flops: commit 8482101; moe, publish: d207298; trainer:
-290f213; endpoint, eval, checkpointing: b5d64a7). On a shared machine one section at a time:
+290f213; endpoint, eval: b5d64a7). On a shared machine one section at a time:
     flock /tmp/nanomolt-cpu.lock python bench.py X"""
 import argparse
 import asyncio
@@ -91,6 +91,17 @@ def bench_fixed():
           f"= {' '.join(ARITH)}", ["setting", "ranks", "commit", *keys, "weight_sync share", "steps/s"], rows)
 
 
+def bench_checkpointing():
+    """activation_checkpointing on the SmolLM2 recipe (evaluation off); the baseline: the same run keeping the blocks'
+    activations. Trainer tokens/s (medians after step 1) and rank 0's peak resident memory at the end."""
+    runs = {on: run_train(["--config", "configs/smollm2_cpu.py", "--adam_eps=1e-8", "--eval_every=0", f"--max_steps="
+                           f"{3 if args.quick else 6}", f"--activation_checkpointing={on}"]) for on in (True, False)}
+    peak = {on: ms[-1]["memory/peak_mb"] for on, ms in runs.items()}
+    table("activation checkpointing, configs/smollm2_cpu.py", ["", "train tokens/s", "peak memory", "ratio to off"],
+          [(f"activation_checkpointing={on}", f"{med(m['throughput/train_tokens_per_s'] for m in ms[1:]):.0f}",
+            f"{peak[on]:,.0f} MB", f"{peak[on] / peak[False]:.2f}") for on, ms in runs.items()])
+
+
 def bench_trl():
     """The baseline is TRL's GRPOTrainer (tests/trl_arith.py, under --trl_python) on the same initial weights, prompt
     ids, batch, sampling and lr as train.py at the arith setting; one process each, the same number of steps."""
@@ -143,7 +154,8 @@ def bench_engine():
           "(measured)", "HF generate tok/s (baseline)", "ratio", "memory bound tok/s", "engine / bound"], rows)
 
 
-BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl}
+BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
+           "checkpointing": bench_checkpointing}
 if __name__ == "__main__":  # not in a rollout process a section spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")
