@@ -206,27 +206,7 @@ def bench_endpoint():
            for k, v in t.items()])
 
 
-def bench_gae():
-    """PPO with a learned critic (advantage=gae) beside GRPO on the default recipe, 3 seeds each, interleaved: wall
-    seconds of steps (time/step summed) until the 20-step mean reward first reaches 0.3, the final reward; the
-    critic's explained variance (20-step means); the per-step metrics of every run in /tmp/bench_gae.json."""
-    steps, seeds, k = (20, 1, 5) if args.quick else (120, 3, 20)
-    runs = {(a, i): run_train([f"--max_steps={steps}", f"--seed={i}", "--eval_every=0", f"--advantage={a}"])
-            for i in range(seeds) for a in ("gae", "grpo")}
-    json.dump({f"{a} {i}": ms for (a, i), ms in runs.items()}, open("/tmp/bench_gae.json", "w"))
-    rows = []
-    for (a, i), ms in sorted(runs.items()):
-        wall, r = list(itertools.accumulate(m["time/step"] for m in ms)), [m["reward/mean"] for m in ms]
-        hit = next((wall[j] for j in range(k, len(r) + 1) if mean(r[j - k:j]) >= 0.3), None)
-        ev = [mean(m["critic/explained_variance"] or 0 for m in ms[j:j + k]) for j in range(0, steps, k) if a == "gae"]
-        rows.append((a, i, "-" if hit is None else f"{hit:.0f} s", f"{mean(r[-k:]):.3f}", f"{wall[-1]:.0f} s",
-                     f"{mean(r) * len(r) / wall[-1]:.4f}", " ".join(f"{e:.2f}" for e in ev) or "-"))
-    table(f"PPO + GAE (critic: the initial weights) vs GRPO, configs/guess.py, {steps} steps, no evaluation",
-          ["advantage", "seed", "to reward 0.3", f"final reward (last {k})", "wall", "reward-steps / wall s",
-           f"explained variance, {k}-step means"], rows)
-
-
-BENCHES = {"gae": bench_gae, "engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
+BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
            "endpoint": bench_endpoint, "eval": bench_eval, "checkpointing": bench_checkpointing}
 if __name__ == "__main__":  # not in a rollout process a section spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")

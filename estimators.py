@@ -91,12 +91,10 @@ ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": re
 
 # ---- a learned value model (advantage="gae"): per-token advantages and the critic's loss, [B, T] ----
 def gae(*, rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    """GAE, Schulman et al. 2016 (https://arxiv.org/abs/1506.02438), over the tokens the policy sampled only:
-    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, where next is the row's next *sampled* token:
-    prompt, tool and environment tokens between turns are skipped (no actions: verl's and AReaL's multi-turn way),
-    so gamma discounts per sampled token. After a row's last sampled token V = 0: the episode ended there. rewards,
-    values (V(s_t), the critic's before token t), loss_mask [B, T] -> (advantages, returns = advantages + values),
-    0 where loss_mask is 0 (rewards there are ignored). Not normalised."""
+    """GAE, Schulman et al. 2016 (https://arxiv.org/abs/1506.02438), over sampled tokens only: delta_t = r_t + gamma
+    V_next - V_t, A_t = delta_t + gamma lam A_next, next being the row's next *sampled* token: prompt, tool and
+    environment tokens between turns are skipped (no actions; verl's and AReaL's multi-turn way). V = 0 past a row's
+    last sampled token (the episode ended). -> (advantages, returns = advantages + values), 0 where loss_mask is 0."""
     adv, next_v, next_a = torch.zeros_like(values), values.new_zeros(len(values)), values.new_zeros(len(values))
     for t in reversed(range(values.shape[1])):  # a scan backward over positions; next_v, next_a [B]
         sampled = loss_mask[:, t].bool()
@@ -108,10 +106,9 @@ def gae(*, rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam
 
 def value_loss(*, values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor,
                clip: float) -> tuple[Tensor, Tensor]:
-    """PPO's clipped value loss (OpenAI baselines ppo2; verl, OpenRLHF), per token 0.5 max((V - R)^2, (V_c - R)^2)
-    with V_c = old + clip(V - old, -clip, clip): a value moves at most `clip` from the one the advantages used, unless
-    that brings it closer to the return. -> (loss [B, T], masked; the fraction of sampled tokens where the clipped
-    term won, which has no gradient there)."""
+    """PPO's clipped value loss (OpenAI baselines ppo2; verl, OpenRLHF): 0.5 max((V - R)^2, (V_c - R)^2) per token, V_c
+    = old + clip(V - old, -clip, clip), so V moves at most `clip` from the advantages' values unless toward the return.
+    -> (loss [B, T], masked; the fraction of sampled tokens where the clipped term won: no gradient there)."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     err, err_clipped = (values - returns) ** 2, (clipped - returns) ** 2
     return 0.5 * torch.maximum(err, err_clipped) * loss_mask, _masked_mean(err_clipped > err, loss_mask)

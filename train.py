@@ -127,9 +127,8 @@ def shard(model, cfg, device):
 def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, critic=False):
     """The policy (frozen: a reference or teacher) from a HF directory. FSDP: built on the meta device, sharded; rank 0
     reads the file, the others receive their shards (no rank holds a second full copy). float32 master weights; `dtype`
-    computes. LoRA: adapters on a frozen base, sharded with it; `adapters`: a resumed run's (rank 0), or its critic's
-    weights. critic: a value model, lm_head replaced by a scalar head (0 at first) on the final normed hidden state,
-    all of it trained (no LoRA)."""
+    computes. LoRA: adapters on a frozen base, sharded with it; `adapters`: a resumed run's (rank 0; critic: weights).
+    critic: a value model, lm_head -> a scalar head (0 at first) on the final normed hidden state, all trained."""
     targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen and not critic else []  # none: no change
 
     def adapt(m):
@@ -231,9 +230,8 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
 
 
 def values(critic, b):
-    """-> (B, T-1) the critic's value V(s_t) of the state before each trained token t, read where its logit is (at
-    t - 1), 0 elsewhere. The critic routes its experts by itself: replay makes the trainer's policy the sampler's, and
-    no engine samples from the critic (its routers, trained on the value loss, would not pick the sampler's experts)."""
+    """-> (B, T-1) V(s_t) before each trained token t, where its logit would be (0 elsewhere). The critic routes by
+    itself: replay makes the trainer's policy the sampler's; nothing samples the critic, trained on another loss."""
     sel = b["loss_mask"][:, 1:].bool()
     v = critic(b["ids"], images=b["images"], logits_at=torch.nn.functional.pad(sel, (0, 1)))[:, 0].float()  # (n,)
     return torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, v)
@@ -279,10 +277,8 @@ def micro_loss(model, b, cfg, counts, adv, world, critic=None):
     return (loss + cfg.router_aux_coef * aux + v_loss) * world, m, old
 
 
-LOSS_KEYS = ["loss", "clip", "corr", "entropy", "kl", "router_aux", "distill_gap", "flips", "flip_n", "v_loss",
-             "v_clip"]  # summed over updates
-CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "ret", "ret2", "err",
-                    "err2"]  # counted once per step
+LOSS_KEYS = ["loss", "clip", "corr", "entropy", "kl", "router_aux", "distill_gap", "flips", "flip_n", "value", "v_clip"]
+CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "ret", "ret2", "err", "err2"]  # once a step
 
 
 def consistency(b, old_logp, version, max_staleness):
@@ -323,9 +319,8 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
             if several:  # pi_old for every mini-batch now; a single update takes it from its own forward
                 b["old_logp"] = token_logp(model, b, cfg)[1]
             if critic is not None:  # values by the critic of now: a stale episode is valued afresh (async is fine)
-                # Each message its own chain, its reward at its last sampled token: the segments of a chat episode
-                # (re-rendered histories, which may branch) each end with the episode's reward, as a truncated
-                # episode (max_turns, engine_max_len) ends with the reward its agent gave: no bootstrap past the end.
+                # A message is a chain, the reward at its last sampled token: each segment of a chat episode (histories
+                # re-rendered, maybe branching) ends with the episode's reward, a truncated episode with its agent's.
                 mask = b["loss_mask"][:, 1:]
                 last = torch.nn.functional.one_hot(mask.cumsum(1).argmax(1), mask.shape[1]) * mask  # (B, T-1)
                 b["old_values"] = values(critic, b)
@@ -333,14 +328,14 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
                                                         loss_mask=mask, gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
         if critic is not None:  # whitened over the step's trained tokens, on all ranks (verl's, OpenRLHF's default)
             mbs = [b for mini in batches for b, _ in mini]
-            s = sum(torch.stack([m.sum(), (a * m).sum(), (a * a * m).sum()]).double()
-                    for a, m in ((b["advantages"], b["loss_mask"][:, 1:]) for b in mbs))
+            n = sum(torch.stack([b["loss_mask"][:, 1:].sum(), b["advantages"].sum(), b["advantages"].square().sum()])
+                    for b in mbs)  # tokens, sum, sum of squares (advantages are 0 off the trained tokens)
             if world > 1:
-                dist.all_reduce(s)
-            mean = s[1] / s[0].clamp(min=1)
-            std = (s[2] / s[0].clamp(min=1) - mean ** 2).clamp(min=0).sqrt()
+                dist.all_reduce(n)
+            mean = n[1] / n[0].clamp(min=1)
+            std = (n[2] / n[0].clamp(min=1) - mean ** 2).clamp(min=0).sqrt()
             for b in mbs:
-                b["advantages"] = ((b["advantages"] - mean) / (std + est.EPS)).float() * b["loss_mask"][:, 1:]
+                b["advantages"] = (b["advantages"] - mean) / (std + est.EPS) * b["loss_mask"][:, 1:]
     losses, checks, stale_max, norms = 0, 0, 0, []
     for epoch in range(cfg.ppo_epochs):  # ---- updates ----
         for mini, counts in zip(batches, share["counts"]):
@@ -353,8 +348,8 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
                 if epoch == 0:
                     c, s = consistency(b, old, version, cfg.max_staleness)
                     checks, stale_max = checks + c, max(stale_max, s)
-            norm, c_norm = (clip_norm(net, cfg) if net is not None else 0.0 for net in (model, critic))
-            norms.append(norm if math.isfinite(c_norm) else math.nan)  # a critic's non-finite norm skips both too
+            norm = [clip_norm(net, cfg) for net in (model, critic) if net is not None]
+            norms.append(norm[0] if all(map(math.isfinite, norm)) else math.nan)  # a critic's inf skips both, counted
             # the same norm and counts on every rank: all skip together (no sampled token: AdamW would use momentum)
             if math.isfinite(norms[-1]) and counts[0]:
                 opt.step()
@@ -401,7 +396,7 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
         **{f"rollout/{k}": (stats | counters)[k] for k in (*rollout.COUNTS, "dropped_stale", "filtered_groups")},
         **{f"episode/{k}": sum(m["info"].get(k, 0.0) for m in episodes) / len(episodes)
            for k in sorted({k for m in episodes for k in m["info"]})},
-        **({"critic/value_loss": s["v_loss"] / n, "critic/clip_frac": s["v_clip"] / (tok * n),
+        **({"critic/value_loss": s["value"] / n, "critic/clip_frac": s["v_clip"] / (tok * n),
             "critic/explained_variance": 1 - var_err / var_ret if var_ret > 1e-12 else None} if gae else {}),
     }
 
@@ -409,7 +404,6 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
 
 
 def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp, critic=None):
-    """critic: (value model, its optimizer), whose weights and optimizer state go in trainer.pt."""
     full, state["adapters"] = merge_lora(model, full_state(model, fsdp, merged=False))  # (state: this save's copy)
     optim = lambda m, o: get_optimizer_state_dict(m, o, options=FULL) if fsdp else o.state_dict()
     osd = optim(model, opt)
@@ -591,14 +585,13 @@ def main(argv=None):
                         adapters=(saved or {}).get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
-    opt = None if cfg.eval_only else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                                       weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-    critic = None  # gae: the value model (its own initial weights, or the policy's) and its optimizer
+    adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    opt = None if cfg.eval_only else adamw([p for p in model.parameters() if p.requires_grad], cfg.lr)
+    critic = None  # gae: (the value model, its optimizer)
     if cfg.advantage == "gae" and not cfg.eval_only:
-        net = build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=(saved or {}).get("critic"),
+        net = build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=saved and saved.get("critic"),
                           critic=True)
-        critic = net, torch.optim.AdamW(net.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay,
-                                        eps=cfg.adam_eps)
+        critic = net, adamw(net.parameters(), cfg.critic_lr)
     state = load_trainer_state(None if cfg.eval_only else saved, model, opt, fsdp, critic)  # what checkpoints carry on
     step, counters = (saved or state)["step"], state["counters"]  # eval_only: the checkpoint's step, no optimizer
     weights = full_state(model, fsdp)

@@ -92,7 +92,7 @@ first moves its zero value head, so the second's gradients reach the whole criti
     weights = {pre + k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for pre, net in nets for k, p in net.named_parameters()}
     sums = train.reduce_metrics(vec, 0, world)[0]  # over the ranks: the critic's value loss, clip count, EV sums
-    metrics = torch.tensor([sums[k] for k in ("loss", "v_loss", "v_clip", "ret2", "err2")])
+    metrics = torch.tensor([sums[k] for k in ("loss", "value", "v_clip", "ret2", "err2")])
     published = train.full_state(model, world > 1, changed=True) if mode == "lora" else {}
     if rank == 0:
         torch.save({"grads": grads, "weights": weights, "published": published, "metrics": metrics}, out)
