@@ -62,7 +62,12 @@ class Config:
     tool_memory_mb: int = 256  # address-space limit of a tool call, and its quota of bytes written
     sandbox_unsafe: bool = False  # run tools even where a wall of the sandbox is missing: trusted code only
     # ---- algorithm ----
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean | opd
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | batch_mean | opd | gae
+    critic: str = ""  # gae: the value model's HF directory (a scalar head on its last hidden state); empty = model's
+    critic_lr: float = 1e-3  # gae: the critic's AdamW learning rate
+    gae_gamma: float = 1.0  # gae: discount per sampled token
+    gae_lambda: float = 0.95  # gae: lambda of GAE (1: return - value; 0: one-token TD)
+    value_clip: float = 0.2  # gae: the value loss keeps new values within old +- value_clip (with several updates)
     teacher: str = ""  # opd (on-policy distillation): the frozen teacher's HF directory (the student's tokenizer)
     opd_reward_coef: float = 0.0  # opd: weight of the task reward's GRPO advantage beside the teacher's
     filter_groups: bool = False  # drop groups whose rewards are all equal and take others (DAPO dynamic sampling)
@@ -116,7 +121,7 @@ class Config:
         import estimators  # the variant names live beside the functions
         tables = {"engine": ("torch", "vllm", "sglang"), "weight_sync": ("gloo", "nccl", "disk"),
                   "dtype": ("float32", "bfloat16"), "reshard_after_forward": ("auto", "true", "false"),
-                  "advantage": estimators.ADVANTAGES | {"opd": None}, "kl_estimator": estimators.KL,
+                  "advantage": estimators.ADVANTAGES | {"opd": None, "gae": None}, "kl_estimator": estimators.KL,
                   "policy_loss": estimators.POLICY_LOSSES, "aggregation": estimators.AGGREGATIONS,
                   "correction": estimators.CORRECTIONS}
         checks = [
@@ -132,6 +137,8 @@ class Config:
             ("eval_file", self.eval_file or not (self.evaluates and self.task_file), "must be set with task_file"),
             ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..{self.batch_size}"),
             ("teacher", (self.advantage == "opd") == bool(self.teacher), "is given exactly when advantage=opd"),
+            ("critic", self.advantage == "gae" or not self.critic, "is given only with advantage=gae"),
+            *((key, 0 <= getattr(self, key) <= 1, "must be in [0, 1]") for key in ("gae_gamma", "gae_lambda")),
             ("replay", not (self.replay and self.rollout_dump), "and rollout_dump do not go together"),
             ("guess_max", 1 <= self.guess_max <= 9, "must be in 1..9 (a guess is one digit)"),
             ("patch_size", self.patch_size >= 1 and self.image_size % (2 * self.patch_size) == 0,

@@ -2,6 +2,7 @@
 one keyword-only signature per family, chosen by name from the dict beside them:
 
     adv     = ADVANTAGES[name](rewards=..., group_ids=...)           # [N], one per episode
+    adv, R  = gae(rewards=..., values=..., loss_mask=..., ...)       # [B, T] per token, from a learned critic
     loss, f = POLICY_LOSSES[name](logp=..., old_logp=..., ...)       # [B, T] per-token loss
     w, f    = CORRECTIONS[name](old_logp=..., rollout_logp=..., ...) # [B, T] detached weights
     loss    = AGGREGATIONS[name](per_token=w * loss + beta * KL[k](...), loss_mask=..., ...)
@@ -86,6 +87,31 @@ def distill_advantage(*, teacher_logp: Tensor, old_logp: Tensor, loss_mask: Tens
 
 ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
               "reinforce_pp_baseline": reinforce_pp_baseline, "batch_mean": batch_mean}
+
+
+# ---- a learned value model (advantage="gae"): per-token advantages and the critic's loss, [B, T] ----
+def gae(*, rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """GAE, Schulman et al. 2016 (https://arxiv.org/abs/1506.02438), over sampled tokens only: delta_t = r_t + gamma
+    V_next - V_t, A_t = delta_t + gamma lam A_next, next being the row's next *sampled* token: prompt, tool and
+    environment tokens between turns are skipped (no actions; verl's and AReaL's multi-turn way). V = 0 past a row's
+    last sampled token (the episode ended). -> (advantages, returns = advantages + values), 0 where loss_mask is 0."""
+    adv, next_v, next_a = torch.zeros_like(values), values.new_zeros(len(values)), values.new_zeros(len(values))
+    for t in reversed(range(values.shape[1])):  # a scan backward over positions; next_v, next_a [B]
+        sampled = loss_mask[:, t].bool()
+        a = rewards[:, t] + gamma * next_v - values[:, t] + gamma * lam * next_a
+        adv[:, t] = torch.where(sampled, a, 0.0)
+        next_v, next_a = torch.where(sampled, values[:, t], next_v), torch.where(sampled, a, next_a)
+    return adv, (adv + values) * loss_mask
+
+
+def value_loss(*, values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor,
+               clip: float) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss (OpenAI baselines ppo2; verl, OpenRLHF): 0.5 max((V - R)^2, (V_c - R)^2) per token, V_c
+    = old + clip(V - old, -clip, clip), so V moves at most `clip` from the advantages' values unless toward the return.
+    -> (loss [B, T], masked; the fraction of sampled tokens where the clipped term won: no gradient there)."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    err, err_clipped = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.maximum(err, err_clipped) * loss_mask, _masked_mean(err_clipped > err, loss_mask)
 
 
 # ---- policy losses: per-token loss [B, T] (zero where loss_mask is 0) and a clip fraction ----

@@ -3,7 +3,8 @@
 Algorithm, per optimizer step v (weights version v -> v+1):
   1. take prompts_per_step finished groups from the rollout queue (sampled by versions v - max_staleness .. v;
      an episode with an older token is dropped and counted, and the rollout may start another)
-  2. advantages per episode from the rewards of its group (estimators.ADVANTAGES)
+  2. advantages per episode from the rewards of its group (estimators.ADVANTAGES); gae: per token from a critic's
+     values (estimators.gae), the critic (a value model) trained beside the policy on estimators.value_loss
   3. recompute every token's logprob with the same model code under the engine's sampling filter, replaying
      the experts chosen at generation; check the trained ids are the sampled ids; log the mismatch
   4. ppo_epochs x mini_batches updates: per-token policy loss on the ratio pi / pi_old (clipped) times the
@@ -123,12 +124,19 @@ def shard(model, cfg, device):
     return fully_shard(model, **kw)
 
 
-def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None):
+def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, critic=False):
     """The policy (frozen: a reference or teacher) from a HF directory. FSDP: built on the meta device, sharded; rank 0
     reads the file, the others receive their shards (no rank holds a second full copy). float32 master weights; `dtype`
-    computes. LoRA: adapters on a frozen base, sharded with it; `adapters`: a resumed run's (rank 0)."""
-    targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen else []  # none: add_lora changes nothing
-    adapt = lambda m: add_lora(m, cfg.lora_rank, cfg.lora_alpha / max(cfg.lora_rank, 1), targets)
+    computes. LoRA: adapters on a frozen base, sharded with it; `adapters`: a resumed run's (rank 0; critic: weights).
+    critic: a value model, lm_head -> a scalar head (0 at first) on the final normed hidden state, all trained."""
+    targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen and not critic else []  # none: no change
+
+    def adapt(m):
+        if critic:
+            m.lm_head = torch.nn.Linear(m.config.hidden_size, 1, device=m.model.norm.weight.device)  # (meta, CPU, GPU)
+            torch.nn.init.zeros_(m.lm_head.weight)
+            torch.nn.init.zeros_(m.lm_head.bias)
+        return add_lora(m, cfg.lora_rank, cfg.lora_alpha / max(cfg.lora_rank, 1), targets)
     if fsdp:
         with torch.device("meta"):
             model = adapt(Transformer(ModelConfig.load(path)))
@@ -194,7 +202,10 @@ def make_shares(msgs, advantages, world, cfg):
 
 def advantages(cfg, msgs):
     """-> (len(msgs),) one per message. A chat episode re-rendered into segments is several messages with one index:
-    it counts once in its group's baseline, and each segment gets its episode's advantage (opd: GRPO's, weighted)."""
+    it counts once in its group's baseline, and each segment gets its episode's advantage (opd: GRPO's, weighted;
+    gae: the reward itself, made per-token advantages in train_step, where the critic is)."""
+    if cfg.advantage == "gae":
+        return torch.tensor([float(m["reward"]) for m in msgs])
     episodes, of = torch.unique(torch.tensor([m["index"] for m in msgs]), return_inverse=True)  # of: (len(msgs),)
     first = torch.zeros(len(episodes), dtype=torch.long).scatter_(0, of, torch.arange(len(msgs)))  # a message each
     rewards, groups = (torch.tensor([m[k] for m in msgs])[first] for k in ("reward", "group"))  # (E,) each
@@ -218,12 +229,21 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
     return logits, torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, tok_logp)
 
 
-def micro_loss(model, b, cfg, counts, adv, world):
-    """-> (loss to backward, its loss metrics (LOSS_KEYS), pi_old's logp); b may hold the recompute (old_logp, ...)."""
+def values(critic, b):
+    """-> (B, T-1) V(s_t) before each trained token t, where its logit would be (0 elsewhere). The critic routes by
+    itself: replay makes the trainer's policy the sampler's; nothing samples the critic, trained on another loss."""
+    sel = b["loss_mask"][:, 1:].bool()
+    v = critic(b["ids"], images=b["images"], logits_at=torch.nn.functional.pad(sel, (0, 1)))[:, 0].float()  # (n,)
+    return torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, v)
+
+
+def micro_loss(model, b, cfg, counts, adv, world, critic=None):
+    """-> (loss to backward, its loss metrics (LOSS_KEYS), pi_old's logp); b may hold the recompute (old_logp, ...).
+    critic: its value loss joins the loss (its gradient reaches only the critic)."""
     mask = b["loss_mask"][:, 1:]
     logits, logp = token_logp(model, b, cfg)  # experts replayed
     old = b.get("old_logp", logp.detach())
-    A = adv[:, None].expand_as(logp)  # (B, T-1)
+    A = b.get("advantages", adv[:, None].expand_as(logp))  # (B, T-1): gae's per token, else the episode's
     gap = torch.zeros(())
     if "teacher_logp" in b:  # on-policy distillation: per-token advantage log pi_teacher - log pi_old
         A = A + est.distill_advantage(teacher_logp=b["teacher_logp"], old_logp=old, loss_mask=mask)
@@ -243,16 +263,22 @@ def micro_loss(model, b, cfg, counts, adv, world):
                                              num_seqs=max(counts[1], 1), norm_const=cfg.max_new_tokens * cfg.max_turns)
     n_real = sum(i >= 0 for i in b["index"])  # (MoE) the load-balancing loss by this micro-batch's share of episodes
     aux = model.aux_loss * n_real / max(counts[1], 1) if model.aux_loss is not None else torch.zeros(())
+    v_loss = v_clip = loss.new_zeros(())
+    if critic is not None:
+        per_v, v_clip = est.value_loss(values=values(critic, b), old_values=b["old_values"], returns=b["returns"],
+                                       loss_mask=mask, clip=cfg.value_clip)
+        v_loss = est.token_mean(per_token=per_v, loss_mask=mask, num_tokens=max(counts[0], 1))
     n_tok = mask.sum()
     flips = model.flips if model.flips is not None else torch.zeros(2)
     m = torch.stack([loss.detach(), clip_frac * n_tok, corr_frac * n_tok, ent.detach().sum(),
-                     (kl.detach() * mask).sum(), aux.detach(), gap.to(loss.device), *flips.to(loss.device)])
+                     (kl.detach() * mask).sum(), aux.detach(), gap.to(loss.device), *flips.to(loss.device),
+                     v_loss.detach(), v_clip * n_tok])
     # FSDP averages gradients over ranks; the aggregation already divides by the update's counts
-    return (loss + cfg.router_aux_coef * aux) * world, m, old
+    return (loss + cfg.router_aux_coef * aux + v_loss) * world, m, old
 
 
-LOSS_KEYS = ["loss", "clip", "corr", "entropy", "kl", "router_aux", "distill_gap", "flips", "flip_n"]  # over updates
-CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum"]  # counted once per step
+LOSS_KEYS = ["loss", "clip", "corr", "entropy", "kl", "router_aux", "distill_gap", "flips", "flip_n", "value", "v_clip"]
+CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "ret", "ret2", "err", "err2"]  # once a step
 
 
 def consistency(b, old_logp, version, max_staleness):
@@ -262,19 +288,29 @@ def consistency(b, old_logp, version, max_staleness):
     stale, fresh = (version - versions)[sel], sel & (versions == version)
     d, kl = (old_logp - rollout_logp)[fresh], est.kl_k3(logp=rollout_logp[fresh], ref_logp=old_logp[fresh])
     hist = torch.bincount(stale.clamp(max=max_staleness), minlength=max_staleness + 1)
-    vec = torch.cat([torch.stack([sel.sum(), d.abs().sum(), kl.sum(), fresh.sum(), stale.sum()]).double(), hist])
+    ret = b.get("returns", torch.zeros_like(old_logp))[sel]  # gae: explained variance's sums (of returns, errors)
+    err = ret - b.get("old_values", torch.zeros_like(old_logp))[sel]
+    vec = torch.cat([torch.stack([sel.sum(), d.abs().sum(), kl.sum(), fresh.sum(), stale.sum(), ret.sum(),
+                                  (ret ** 2).sum(), err.sum(), (err ** 2).sum()]).double(), hist])
     return vec, int(stale.max()) if stale.numel() else 0
 
 
-def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
+def clip_norm(net, cfg):
+    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, critic=None):
     """This rank's share of a step: recompute, then ppo_epochs x mini-batch updates. share: from make_shares.
+    critic: (value model, its optimizer), trained beside the policy, with gae (whose "advantages" are the rewards).
     -> (this rank's summed metrics, LOSS_KEYS + CONSISTENCY_KEYS + histogram; max staleness; gradient norms)"""
     device = next(model.parameters()).device
     batches = [[(collate([m for m, _ in mb] or [EMPTY], device), torch.tensor([a for _, a in mb] or [0.0]).to(device))
                 for mb in mini] for mini in share["mini_batches"]]
     several = cfg.ppo_epochs * len(batches) > 1
+    critic, copt = critic or (None, None)
     with torch.no_grad():  # ---- recompute: what the batch is scored against, before any update ----
-        for b, _ in (x for mini in batches for x in mini):
+        for b, adv in (x for mini in batches for x in mini):
             # Teacher and reference route by themselves: a teacher of another shape cannot take the sampler's experts,
             # one of the same shape would not pick them (5 nats off); the KL's anchor is the initial router's choice.
             for key, frozen in (("ref_logp", ref), ("teacher_logp", teacher)):
@@ -282,22 +318,43 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None):
                     b[key] = token_logp(frozen, b | {"routing": None}, cfg, filtered=False)[1]
             if several:  # pi_old for every mini-batch now; a single update takes it from its own forward
                 b["old_logp"] = token_logp(model, b, cfg)[1]
+            if critic is not None:  # values by the critic of now: a stale episode is valued afresh (async is fine)
+                # A message is a chain, the reward at its last sampled token: each segment of a chat episode (histories
+                # re-rendered, maybe branching) ends with the episode's reward, a truncated episode with its agent's.
+                mask = b["loss_mask"][:, 1:]
+                last = torch.nn.functional.one_hot(mask.cumsum(1).argmax(1), mask.shape[1]) * mask  # (B, T-1)
+                b["old_values"] = values(critic, b)
+                b["advantages"], b["returns"] = est.gae(rewards=last * adv[:, None], values=b["old_values"],
+                                                        loss_mask=mask, gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
+        if critic is not None:  # whitened over the step's trained tokens, on all ranks (verl's, OpenRLHF's default)
+            mbs = [b for mini in batches for b, _ in mini]
+            n = sum(torch.stack([b["loss_mask"][:, 1:].sum(), b["advantages"].sum(), b["advantages"].square().sum()])
+                    for b in mbs)  # tokens, sum, sum of squares (advantages are 0 off the trained tokens)
+            if world > 1:
+                dist.all_reduce(n)
+            mean = n[1] / n[0].clamp(min=1)
+            std = (n[2] / n[0].clamp(min=1) - mean ** 2).clamp(min=0).sqrt()
+            for b in mbs:
+                b["advantages"] = (b["advantages"] - mean) / (std + est.EPS) * b["loss_mask"][:, 1:]
     losses, checks, stale_max, norms = 0, 0, 0, []
     for epoch in range(cfg.ppo_epochs):  # ---- updates ----
         for mini, counts in zip(batches, share["counts"]):
-            opt.zero_grad(set_to_none=True)  # (gradients stay readable after the step, for tests and debugging)
+            for o in filter(None, (opt, copt)):
+                o.zero_grad(set_to_none=True)  # (gradients stay readable after the step, for tests and debugging)
             for b, adv in mini:
-                loss, m, old = micro_loss(model, b, cfg, counts, adv, world)
+                loss, m, old = micro_loss(model, b, cfg, counts, adv, world, critic)
                 loss.backward()
                 losses = losses + m
                 if epoch == 0:
                     c, s = consistency(b, old, version, cfg.max_staleness)
                     checks, stale_max = checks + c, max(stale_max, s)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            norm = [clip_norm(net, cfg) for net in (model, critic) if net is not None]
+            norms.append(norm[0] if all(map(math.isfinite, norm)) else math.nan)  # a critic's inf skips both, counted
             # the same norm and counts on every rank: all skip together (no sampled token: AdamW would use momentum)
             if math.isfinite(norms[-1]) and counts[0]:
                 opt.step()
+                if copt is not None:
+                    copt.step()
     return torch.cat([losses.double(), checks]), stale_max, norms
 
 
@@ -312,12 +369,14 @@ def reduce_metrics(vec, stale_max, world):
     return dict(zip(LOSS_KEYS + CONSISTENCY_KEYS, v[:n])), stale_max, [int(x) for x in v[n:]]
 
 
-def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, rollout_rate):
+def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, rollout_rate, gae=False):
     """The metrics.jsonl line of a step. s: the reduced sums; times: {"step", "wait_rollout", "train", ...}.
-    reward/ and episode/ are means over episodes: a chat episode's segments (one message each) count once."""
+    reward/ and episode/ are means over episodes: a chat episode's segments (one message each) count once.
+    gae: critic/explained_variance, 1 - Var(return - value) / Var(return) on trained tokens, values before updates."""
     episodes = list({m["index"]: m for m in msgs}.values())
     rewards = torch.tensor([m["reward"] for m in episodes])
     tok, n, mm = max(s["tokens"], 1), len(norms), s["mm_tokens"]
+    var_ret, var_err = (s[x + "2"] / tok - (s[x] / tok) ** 2 for x in ("ret", "err"))
     finite = [g for g in norms if math.isfinite(g)]
     return {
         "step": step, "policy_version": step, "reward/mean": rewards.mean().item(),
@@ -337,14 +396,19 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
         **{f"rollout/{k}": (stats | counters)[k] for k in (*rollout.COUNTS, "dropped_stale", "filtered_groups")},
         **{f"episode/{k}": sum(m["info"].get(k, 0.0) for m in episodes) / len(episodes)
            for k in sorted({k for m in episodes for k in m["info"]})},
+        **({"critic/value_loss": s["value"] / n, "critic/clip_frac": s["v_clip"] / (tok * n),
+            "critic/explained_variance": 1 - var_err / var_ret if var_ret > 1e-12 else None} if gae else {}),
     }
 
 # ---- checkpoints: a Hugging Face directory + trainer state, written atomically ----
 
 
-def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
+def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp, critic=None):
     full, state["adapters"] = merge_lora(model, full_state(model, fsdp, merged=False))  # (state: this save's copy)
-    osd = get_optimizer_state_dict(model, opt, options=FULL) if fsdp else opt.state_dict()
+    optim = lambda m, o: get_optimizer_state_dict(m, o, options=FULL) if fsdp else o.state_dict()
+    osd = optim(model, opt)
+    if critic is not None:
+        state["critic"], state["critic_optimizer"] = full_state(critic[0], fsdp, merged=False), optim(*critic)
     if rank == 0:
         final, tmp = os.path.join(cfg.out_dir, "ckpt"), os.path.join(cfg.out_dir, f"ckpt.tmp-{state['step']}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -364,16 +428,19 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp):
         dist.barrier()
 
 
-def load_trainer_state(saved, model, opt, fsdp):
-    """saved: trainer.pt's dict or None -> all but the weights (step, data position, counters); restores opt and rng."""
+def load_trainer_state(saved, model, opt, fsdp, critic=None):
+    """saved: trainer.pt's dict or None -> all but the weights (step, data position, counters); restores opt and rng
+    (and the critic's optimizer; build_model restored its weights)."""
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
     state = {"step": 0, "data_position": 0, "rollout_counts": None}
     if saved is not None:
         state |= saved
-        if fsdp:
-            set_optimizer_state_dict(model, opt, state.pop("optimizer"), options=StateDictOptions(full_state_dict=True))
-        else:
-            opt.load_state_dict(state.pop("optimizer"))
+        state.pop("critic", None)
+        for m, o, key in [(model, opt, "optimizer")] + ([(*critic, "critic_optimizer")] if critic else []):
+            if fsdp:
+                set_optimizer_state_dict(m, o, state.pop(key), options=StateDictOptions(full_state_dict=True))
+            else:
+                o.load_state_dict(state.pop(key))
         torch.set_rng_state(state.pop("rng"))
     return state | {"counters": counters | state.get("counters", {}) | (state.get("resume") or {}).get("counters", {})}
 
@@ -518,9 +585,14 @@ def main(argv=None):
                         adapters=(saved or {}).get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
-    opt = None if cfg.eval_only else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                                       weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-    state = load_trainer_state(None if cfg.eval_only else saved, model, opt, fsdp)  # what the checkpoints carry on
+    adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    opt = None if cfg.eval_only else adamw([p for p in model.parameters() if p.requires_grad], cfg.lr)
+    critic = None  # gae: (the value model, its optimizer)
+    if cfg.advantage == "gae" and not cfg.eval_only:
+        net = build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=saved and saved.get("critic"),
+                          critic=True)
+        critic = net, adamw(net.parameters(), cfg.critic_lr)
+    state = load_trainer_state(None if cfg.eval_only else saved, model, opt, fsdp, critic)  # what checkpoints carry on
     step, counters = (saved or state)["step"], state["counters"]  # eval_only: the checkpoint's step, no optimizer
     weights = full_state(model, fsdp)
     changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes
@@ -561,14 +633,14 @@ def main(argv=None):
             stop, share = out[0]
             if stop is not None:
                 held = log_held(logger, ro, held, not stop.startswith("error"))
-                save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp)
+                save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp, critic)
                 if stop.startswith("error"):
                     raise RuntimeError(f"{stop}; checkpoint of step {step} written to {cfg.out_dir}/ckpt")
                 print(f"{stop}: checkpoint of step {step} written to {cfg.out_dir}/ckpt; exiting", flush=True)
                 break
             # ---- 3-4. recompute, loss, backward, optimizer steps ----
             t_train = time.perf_counter()
-            vec, stale_max, norms = train_step(model, opt, share, cfg, step, world, ref, teacher)
+            vec, stale_max, norms = train_step(model, opt, share, cfg, step, world, ref, teacher, critic)
             sums, stale_max, hist = reduce_metrics(vec, stale_max, world)
             bad = not all(math.isfinite(g) for g in norms)  # an update was skipped; too many in a row end the run
             counters["skipped_steps"] += bad
@@ -599,7 +671,7 @@ def main(argv=None):
                 times = dict(step=now - t_step, wait_rollout=wait, handout=t_hand, train=t_train, weight_sync=t_sync,
                              wait_eval=t_eval)
                 m = step_metrics(step, msgs, sums, stale_max, hist, norms, times, counters, stats,
-                                 (generated - last_generated) / max(now - last_t, 1e-9))
+                                 (generated - last_generated) / max(now - last_t, 1e-9), critic is not None)
                 if cfg.eval_every and ro is not None and step % cfg.eval_every == 0:  # the line waits for it (log_held)
                     ro.evaluate(step)
                     held = m
@@ -610,7 +682,7 @@ def main(argv=None):
                     dump_episodes(cfg, step, msgs, tokenizer)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps:
                 held = log_held(logger, ro, held)  # the metrics lines of the checkpoint's steps are all written
-                save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp)
+                save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp, critic)
         log_held(logger, ro, held)  # eval_only's
     finally:
         if ro is not None:

@@ -41,11 +41,14 @@ def main(out, mode="", *args):
     """mode: "vision" (images on one rank only), "kl" (a reference model: ranks with an empty micro-batch must
     still run its forward), "mini" (two updates per batch: the mini-batches are the same on 1 and 2 ranks), "lora"
     (LoRA adapters through train.build_model: frozen base and adapters sharded together; also saves what a publish
-    of the changed weights sends)."""
+    of the changed weights sends), "gae" (a critic through train.build_model, trained beside the policy: two steps, the
+first moves its zero value head, so the second's gradients reach the whole critic; two mini-batches: clipped values)."""
     vision = mode == "vision"
     cfg = config.load(["--micro_batch_tokens=24", "--grad_clip=0.5", "--max_staleness=0"] +
                       {"kl": ["--kl_coef=0.05"], "mini": ["--mini_batches=2", "--policy_loss=cispo"],
-                       "lora": ["--lora_rank=4", "--lora_alpha=8"]}.get(mode, []) + list(args))
+                       "lora": ["--lora_rank=4", "--lora_alpha=8"],
+                       "gae": ["--advantage=gae", "--mini_batches=2", "--value_clip=0.05", "--gae_gamma=0.9"]
+                       }.get(mode, []) + list(args))
     rank, world, device, _ = train.compute_init(cfg)
     c = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -54,10 +57,16 @@ def main(out, mode="", *args):
     ref = Transformer(c).init_weights(1, std=0.2).requires_grad_(False) if mode == "kl" else None
     msgs = make_msgs(model, 7, 1)
     model.checkpointing = cfg.activation_checkpointing  # as train.build_model sets it (after make_msgs: no_grad)
+    base, critic = out + ".base", None
+    if mode in ("lora", "gae") and rank == 0:
+        model.save_pretrained(base)
+    if mode == "gae":
+        if world > 1:
+            dist.barrier()
+        net = train.build_model(cfg, rank, device, world > 1, base, critic=True)
+        critic = net, torch.optim.SGD(net.parameters(), lr=0.5)
     if mode == "lora":  # the base saved once; adapters given (B nonzero: A gets gradients too), as on a resume
-        base = out + ".base"
         if rank == 0:
-            model.save_pretrained(base)
             g = torch.Generator().manual_seed(2)
             adapters = {f"{n}.lora_{ab}": torch.randn(*shape, generator=g) * 0.3 for n, m in model.named_modules()
                         if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -73,14 +82,20 @@ def main(out, mode="", *args):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     import estimators
     adv = estimators.grpo(rewards=torch.tensor([m["reward"] for m in msgs]), group_ids=torch.tensor([m["group"] for m in msgs]))
+    adv = train.advantages(cfg, msgs) if critic else adv  # gae: the rewards
     share = train.make_shares(msgs, adv.tolist(), world, cfg)[rank]
-    train.train_step(model, opt, share, cfg, 0, world, ref)
-    grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-             for k, p in model.named_parameters() if p.grad is not None}
-    weights = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for k, p in model.named_parameters()}
+    for _ in range(2 if critic else 1):
+        vec = train.train_step(model, opt, share, cfg, 0, world, ref, critic=critic)[0]
+    nets = [("", model)] + ([("critic.", critic[0])] if critic else [])
+    grads = {pre + k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for pre, net in nets for k, p in net.named_parameters() if p.grad is not None}
+    weights = {pre + k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+               for pre, net in nets for k, p in net.named_parameters()}
+    sums = train.reduce_metrics(vec, 0, world)[0]  # over the ranks: the critic's value loss, clip count, EV sums
+    metrics = torch.tensor([sums[k] for k in ("loss", "value", "v_clip", "ret2", "err2")])
     published = train.full_state(model, world > 1, changed=True) if mode == "lora" else {}
     if rank == 0:
-        torch.save({"grads": grads, "weights": weights, "published": published}, out)
+        torch.save({"grads": grads, "weights": weights, "published": published, "metrics": metrics}, out)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
