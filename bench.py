@@ -1,7 +1,6 @@
 """python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each as
 measured, baseline and ratio, on all cores (scale, memory, flops: commit 8482101; moe, publish: d207298; trainer:
-290f213; endpoint, eval: b5d64a7). On a shared machine one section at a time:
-    flock /tmp/nanomolt-cpu.lock python bench.py X"""
+290f213; endpoint, eval: b5d64a7). One at a time on a shared machine: flock /tmp/nanomolt-cpu.lock python bench.py X"""
 import argparse
 import asyncio
 import itertools

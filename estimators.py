@@ -104,8 +104,7 @@ def gae(*, rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam
     return adv, (adv + values) * loss_mask
 
 
-def value_loss(*, values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor,
-               clip: float) -> tuple[Tensor, Tensor]:
+def value_loss(*, values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, clip: float):
     """PPO's clipped value loss (OpenAI baselines ppo2; verl, OpenRLHF): 0.5 max((V - R)^2, (V_c - R)^2) per token, V_c
     = old + clip(V - old, -clip, clip), so V moves at most `clip` from the advantages' values unless toward the return.
     -> (loss [B, T], masked; the fraction of sampled tokens where the clipped term won: no gradient there)."""

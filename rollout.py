@@ -375,9 +375,8 @@ PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids")  
 
 
 def pack(group):
-    """A group's messages -> one queue item whose tensor fields are concatenated over the episodes, as numpy arrays:
-    pickled by value, a few per group, where a tensor goes through shared memory (a file descriptor passed over a
-    socket for each, ~0.5 ms: more than a step's episodes' bytes cost to copy). Images stay tensors."""
+    """A group's messages -> one queue item, tensor fields concatenated over the episodes as numpy arrays: pickled by
+    value (a shared-memory tensor passes a file descriptor over a socket, ~0.5 ms each). Images stay tensors."""
     item = {"msgs": [{k: v for k, v in m.items() if k not in PACKED} for m in group]}
     for k in PACKED:
         kept = [m[k] for m in group if m[k] is not None]

@@ -295,11 +295,6 @@ def consistency(b, old_logp, version, max_staleness):
     return vec, int(stale.max()) if stale.numel() else 0
 
 
-def clip_norm(net, cfg):
-    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-
 def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, critic=None):
     """This rank's share of a step: recompute, then ppo_epochs x mini-batch updates. share: from make_shares.
     critic: (value model, its optimizer), trained beside the policy, with gae (whose "advantages" are the rewards).
@@ -348,7 +343,8 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
                 if epoch == 0:
                     c, s = consistency(b, old, version, cfg.max_staleness)
                     checks, stale_max = checks + c, max(stale_max, s)
-            norm = [clip_norm(net, cfg) for net in (model, critic) if net is not None]
+            norm = [torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip) for net in (model, critic) if net]
+            norm = [float(g.full_tensor() if hasattr(g, "full_tensor") else g) for g in norm]
             norms.append(norm[0] if all(map(math.isfinite, norm)) else math.nan)  # a critic's inf skips both, counted
             # the same norm and counts on every rank: all skip together (no sampled token: AdamW would use momentum)
             if math.isfinite(norms[-1]) and counts[0]:
@@ -587,11 +583,9 @@ def main(argv=None):
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
     adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     opt = None if cfg.eval_only else adamw([p for p in model.parameters() if p.requires_grad], cfg.lr)
-    critic = None  # gae: (the value model, its optimizer)
-    if cfg.advantage == "gae" and not cfg.eval_only:
-        net = build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=saved and saved.get("critic"),
-                          critic=True)
-        critic = net, adamw(net.parameters(), cfg.critic_lr)
+    gae = cfg.advantage == "gae" and not cfg.eval_only  # critic: (the value model, its optimizer)
+    net = gae and build_model(cfg, rank, device, fsdp, cfg.critic or init, (saved or {}).get("critic"), critic=True)
+    critic = (net, adamw(net.parameters(), cfg.critic_lr)) if gae else None
     state = load_trainer_state(None if cfg.eval_only else saved, model, opt, fsdp, critic)  # what checkpoints carry on
     step, counters = (saved or state)["step"], state["counters"]  # eval_only: the checkpoint's step, no optimizer
     weights = full_state(model, fsdp)

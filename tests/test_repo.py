@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def python_files():
-    """Every .py file a researcher reads: all of them outside tests/ (bench.py, plot.py and configs/ included)."""
+    """Every .py file a researcher reads: all of them outside tests/ (bench.py and configs/ included)."""
     for dirpath, dirnames, filenames in os.walk(ROOT):
         rel = Path(dirpath).relative_to(ROOT)
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("out", "__pycache__")
@@ -22,7 +22,7 @@ def non_blank(path):
 
 def test_python_a_researcher_reads_is_under_3000_non_blank_lines_of_at_most_120_characters():
     counts = {str(p.relative_to(ROOT)): len(non_blank(p)) for p in python_files()}
-    assert {"train.py", "config.py", "bench.py", "plot.py"} <= counts.keys()  # the walk sees the repo
+    assert {"train.py", "config.py", "bench.py", "estimators.py"} <= counts.keys()  # the walk sees the repo
     assert sum(counts.values()) < 3000, "\n".join(f"{n:5d} {p}" for p, n in sorted(counts.items())) + \
         f"\n{sum(counts.values()):5d} total"
     long = [f"{p.relative_to(ROOT)}:{i}" for p in python_files() for i, line in enumerate(p.read_text().splitlines(), 1)
