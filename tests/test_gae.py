@@ -104,3 +104,23 @@ def test_gae_run_logs_the_critic_and_resumes_exactly(tmp_path):
     oa, ob = sa["critic_optimizer"]["state"], sb["critic_optimizer"]["state"]
     assert oa.keys() == ob.keys() and len(oa) > 0
     assert all(torch.equal(oa[k][n], ob[k][n]) for k in oa for n in oa[k]), "critic optimizer state"
+
+
+def test_gae_with_images_lora_and_a_critic_directory(tmp_path):
+    """The critic beside a LoRA policy on the image task: the value model is the tiny Qwen3-VL-MoE too (it sees the
+    pixels the policy saw), all of it trained while the policy trains only its adapters; then a critic from a directory
+    (`critic`: the first run's initial weights) in a second run. Both run and log finite critic metrics."""
+    args = ["--task=count", "--tiny_vision=true", "--patch_size=2", "--max_turns=1", "--max_new_tokens=1",
+            "--advantage=gae", "--lora_rank=4", "--max_staleness=0", "--eval_every=0", "--max_steps=2"]
+    first = run_train(tmp_path / "a", *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_train(tmp_path / "b", *args, f"--critic={tmp_path / 'a' / 'tiny-init'}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    for out in ("a", "b"):
+        ms = metrics(tmp_path / out)
+        assert len(ms) == 2 and all(torch.isfinite(torch.tensor(m["critic/value_loss"])) for m in ms)
+        saved = torch.load(tmp_path / out / "ckpt" / "trainer.pt", weights_only=False)
+        assert any(k.startswith("visual.") for k in saved["critic"])  # a vision critic
+        assert saved["critic"]["lm_head.weight"].shape[0] == 1  # a scalar head (rewards are 0 here: it stays 0)
+        assert saved["adapters"] and all(".lora_" in k for k in saved["adapters"])  # the policy: LoRA
+        assert not any(".lora_" in k for k in saved["critic"])  # the critic: no adapters, all of it trained
