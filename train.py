@@ -348,9 +348,8 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
             norms.append(norm[0] if all(map(math.isfinite, norm)) else math.nan)  # a critic's inf skips both, counted
             # the same norm and counts on every rank: all skip together (no sampled token: AdamW would use momentum)
             if math.isfinite(norms[-1]) and counts[0]:
-                opt.step()
-                if copt is not None:
-                    copt.step()
+                for o in filter(None, (opt, copt)):
+                    o.step()
     return torch.cat([losses.double(), checks]), stale_max, norms
 
 
@@ -584,7 +583,8 @@ def main(argv=None):
     adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     opt = None if cfg.eval_only else adamw([p for p in model.parameters() if p.requires_grad], cfg.lr)
     gae = cfg.advantage == "gae" and not cfg.eval_only  # critic: (the value model, its optimizer)
-    net = gae and build_model(cfg, rank, device, fsdp, cfg.critic or init, (saved or {}).get("critic"), critic=True)
+    net = gae and build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=(saved or {}).get("critic"),
+                              critic=True)  # (saved: its weights, restored)
     critic = (net, adamw(net.parameters(), cfg.critic_lr)) if gae else None
     state = load_trainer_state(None if cfg.eval_only else saved, model, opt, fsdp, critic)  # what checkpoints carry on
     step, counters = (saved or state)["step"], state["counters"]  # eval_only: the checkpoint's step, no optimizer
