@@ -1,14 +1,11 @@
 """PPO with a learned value model (advantage=gae): the estimator's math, the clipped value loss, FSDP, resume."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import config
 import estimators as est
-from test_train import ENV, ROOT, metrics, run_train, same_checkpoints
+from test_train import metrics, one_and_two_ranks, run_and_resume, run_train, same_checkpoints, same_tensors
 
 
 def test_gae_skips_the_tokens_between_turns_and_matches_a_hand_computation():
@@ -62,16 +59,8 @@ def test_config_critic_needs_gae():
 def test_fsdp_two_ranks_equal_one_process_with_a_critic(tmp_path):
     """The critic sharded by train.build_model like the policy; whitening over both ranks' tokens; value clipping
     on the second mini-batch. Gradients and weights of both models, and the summed value metrics, agree."""
-    worker = os.path.join(ROOT, "tests", "fsdp_worker.py")
-    subprocess.run([sys.executable, worker, str(tmp_path / "one.pt"), "gae"], check=True, env=ENV, cwd=ROOT,
-                   timeout=300)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
-                    str(tmp_path / "two.pt"), "gae"], check=True, env=ENV, cwd=ROOT, timeout=300)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    for kind in ("grads", "weights"):
-        assert one[kind].keys() == two[kind].keys()
-        for k in one[kind]:
-            assert (one[kind][k] - two[kind][k]).abs().max() <= 1e-5, (kind, k)
+    one, two = one_and_two_ranks(tmp_path, "gae")
+    same_tensors(one, two, ("grads", "weights"))
     assert torch.allclose(one["metrics"], two["metrics"], rtol=1e-5, atol=1e-7), (one["metrics"], two["metrics"])
     critic_grads = {k: g for k, g in one["grads"].items() if k.startswith("critic.")}
     assert critic_grads["critic.lm_head.weight"].abs().max() > 0  # the value head
@@ -85,10 +74,7 @@ def test_gae_run_logs_the_critic_and_resumes_exactly(tmp_path):
     args = ["--max_staleness=0", "--advantage=gae", "--gae_gamma=0.9", "--eval_every=0", "--critic_lr=3e-3"]
     full = run_train(tmp_path / "a", *args, "--max_steps=4")
     assert full.returncode == 0, full.stderr[-3000:]
-    first = run_train(tmp_path / "b", *args, "--max_steps=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_train(tmp_path / "b", *args, "--max_steps=4", "--resume")
-    assert second.returncode == 0, second.stderr[-3000:]
+    run_and_resume(tmp_path / "b", *args, half=2, steps=4)
     ma, mb = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [m["step"] for m in mb] == list(range(1, 5))
     for x, y in zip(ma, mb):

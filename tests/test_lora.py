@@ -10,7 +10,7 @@ import torch
 import config
 import train
 from model_moe import ModelConfig, Transformer, add_lora, merge_lora
-from test_train import same_checkpoints
+from test_train import one_and_two_ranks, same_checkpoints, same_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
@@ -73,17 +73,9 @@ def test_experts_and_unknown_targets_are_refused(tmp_path):
 
 
 def test_fsdp_two_ranks_equal_one_process_with_lora(tmp_path):
-    worker = os.path.join(ROOT, "tests", "fsdp_worker.py")
-    subprocess.run([sys.executable, worker, str(tmp_path / "one.pt"), "lora"], check=True, env=ENV, cwd=ROOT,
-                   timeout=300)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
-                    str(tmp_path / "two.pt"), "lora"], check=True, env=ENV, cwd=ROOT, timeout=300)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one, two = one_and_two_ranks(tmp_path, "lora")
     assert one["grads"] and all(".lora_" in k for k in one["grads"])  # the frozen base has no gradient
-    for kind in ("grads", "weights", "published"):
-        assert one[kind].keys() == two[kind].keys(), kind
-        for k in one[kind]:
-            assert (one[kind][k] - two[kind][k]).abs().max() <= 1e-5, (kind, k)
+    same_tensors(one, two, ("grads", "weights", "published"))
     # published: only the adapted weights, merged, under the base names
     assert sorted(one["published"]) == sorted(k for k in one["weights"] if k.endswith(("_proj.weight")))
     base = Transformer.from_pretrained(str(tmp_path / "two.pt.base")).state_dict()

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import rollout
 from model_moe import ModelConfig, Transformer
 from rollout import TorchEngine
-from test_train import ENV, ROOT, metrics, run_train
+from test_train import ENV, ROOT, metrics, run_and_resume, run_train
 
 V = 64
 
@@ -92,10 +92,7 @@ def test_async_run_stopped_and_resumed_trains_what_an_uninterrupted_one_does(tmp
     args = ["--max_staleness=1", "--deterministic", "--rollout_dump", "--dump_every=0"]
     full = run_train(tmp_path / "a", *args, "--max_steps=6")
     assert full.returncode == 0, full.stderr[-3000:]
-    first = run_train(tmp_path / "b", *args, "--max_steps=3")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_train(tmp_path / "b", *args, "--max_steps=6", "--resume")
-    assert second.returncode == 0, second.stderr[-3000:]
+    run_and_resume(tmp_path / "b", *args, half=3, steps=6)
     ma = same_run(tmp_path / "a", tmp_path / "b", 6)
     assert all(m["staleness/max"] == 1 for m in ma[1:])  # it did run a version ahead of the trainer
 

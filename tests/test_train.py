@@ -20,15 +20,8 @@ ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
                                   "mini --reshard_after_forward=true", "kl --activation_checkpointing=true",
                                   "vision --activation_checkpointing=true --reshard_after_forward=true"])
 def test_fsdp_two_ranks_equal_one_process(tmp_path, mode):
-    worker, arg = os.path.join(ROOT, "tests", "fsdp_worker.py"), mode.split()
-    subprocess.run([sys.executable, worker, str(tmp_path / "one.pt"), *arg], check=True, env=ENV, cwd=ROOT, timeout=300)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
-                    str(tmp_path / "two.pt"), *arg], check=True, env=ENV, cwd=ROOT, timeout=120)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    for kind in ("grads", "weights"):
-        assert one[kind].keys() == two[kind].keys()
-        for k in one[kind]:
-            assert (one[kind][k] - two[kind][k]).abs().max() <= 1e-5, (kind, k)
+    one, two = one_and_two_ranks(tmp_path, *mode.split(), timeouts=(300, 120))
+    same_tensors(one, two, ("grads", "weights"))
     assert any(g.abs().max() > 0 for g in one["grads"].values())
 
 
@@ -51,6 +44,31 @@ def run_train(out, *args, timeout=600):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
            f"--out_dir={out}", "--prompts_per_step=4", "--ckpt_every=0", "--dump_every=2", *args]
     return subprocess.run(cmd, env=ENV, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+
+
+def run_and_resume(out, *args, half, steps):
+    """train.py for `half` steps, then --resume to `steps` in the same out_dir; each part must succeed."""
+    for extra in ([f"--max_steps={half}"], [f"--max_steps={steps}", "--resume"]):
+        r = run_train(out, *args, *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+
+def one_and_two_ranks(tmp_path, *args, timeouts=(300, 300)):
+    """tests/fsdp_worker.py in one process, then on 2 ranks under torchrun -> (what each saved)."""
+    worker = os.path.join(ROOT, "tests", "fsdp_worker.py")
+    subprocess.run([sys.executable, worker, str(tmp_path / "one.pt"), *args], check=True, env=ENV, cwd=ROOT,
+                   timeout=timeouts[0])
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
+                    str(tmp_path / "two.pt"), *args], check=True, env=ENV, cwd=ROOT, timeout=timeouts[1])
+    return torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+
+
+def same_tensors(one, two, kinds):
+    """one[kind] and two[kind] (name -> tensor) have the same names and agree within 1e-5, for each kind."""
+    for kind in kinds:
+        assert one[kind].keys() == two[kind].keys(), kind
+        for k in one[kind]:
+            assert (one[kind][k] - two[kind][k]).abs().max() <= 1e-5, (kind, k)
 
 
 def metrics(out):
@@ -85,10 +103,7 @@ def test_on_policy_run_is_consistent_and_resumes_exactly(tmp_path):
                     "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s", "staleness/mean"):
             assert key in m
     # stop after 3 steps, resume to 6: the same metrics as the uninterrupted run
-    first = run_train(tmp_path / "b", "--max_staleness=0", "--max_steps=3")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_train(tmp_path / "b", "--max_staleness=0", "--max_steps=6", "--resume")
-    assert second.returncode == 0, second.stderr[-3000:]
+    run_and_resume(tmp_path / "b", "--max_staleness=0", half=3, steps=6)
     mb = metrics(tmp_path / "b")
     assert [m["step"] for m in mb] == list(range(1, 7))
     for x, y in zip(ma, mb):
