@@ -1,6 +1,7 @@
 """python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each as
 measured, baseline and ratio, on all cores (scale, memory, flops: commit 8482101; moe, publish: d207298; trainer:
-290f213; endpoint, eval: b5d64a7). One at a time on a shared machine: flock /tmp/nanomolt-cpu.lock python bench.py X"""
+290f213; endpoint, eval: b5d64a7; parity: 12c8717). One at a time on a shared machine:
+flock /tmp/nanomolt-cpu.lock python bench.py X"""
 import argparse
 import asyncio
 import itertools
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import timeit
-from statistics import mean, median as med, stdev
+from statistics import mean, median as med
 
 USER_ENV = dict(os.environ)  # train.py and TRL run in the caller's environment, as their users run them
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning waiters fight for cores (~10x slower)
@@ -47,30 +48,6 @@ def run_train(overrides, ranks=1, cwd=".", cmd=(sys.executable, "train.py")):
         if p.returncode != 0:
             raise RuntimeError(f"{cmd[-1]} {overrides} failed ({p.returncode}):\n{p.stderr[-3000:]}")
         return [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
-
-
-def bench_parity():
-    """The baseline of async RL (max_staleness=1) is sync RL (0), in interleaved runs over seeds: steps/s against the
-    ideal overlap of generation and training; final rewards and their spread over seeds."""
-    steps, warm, last, seeds = (20, 4, 5, 2) if args.quick else (100, 10, 25, 5)
-    pairs = [[run_train([f"--max_steps={steps}", f"--max_staleness={s}", f"--seed={i}"]) for s in (1, 0)]
-             for i in range(seeds)]  # per seed: the async run's metrics, the sync run's
-    asyn, sync = ([m for p in pairs for m in p[j][warm:]] for j in (0, 1))  # pooled: steps after warm-up
-    # sync: batch v+1 starts once weights v+1 are out, so the trainer's wait is a batch's generation time
-    gen, trn = med(m["time/wait_rollout"] for m in sync), med(m["time/step"] - m["time/wait_rollout"] for m in sync)
-    sps, aps = (len(ms) / sum(m["time/step"] for m in ms) for ms in (sync, asyn))
-    rows = [("steps/s: async (max_staleness=1) / sync (0)", aps, sps, ""), (f"async speed-up: achieved / ideal, (gen "
-             f"{gen:.3f} s + train {trn:.3f} s) / max", aps / sps, (gen + trn) / max(gen, trn), ">= 0.90")]
-    table(f"async overlap: steps {warm + 1}..{steps} of {seeds} interleaved async/sync pairs, medians",
-          ["measure", "measured", "baseline", "ratio", "target"],
-          [(what, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}", target) for what, a, b, target in rows])
-    runs = [[mean(m["reward/mean"] for m in ms[-last:]) for ms in p] + [sum(m["time/step"] for m in ms) for ms in p]
-            for p in pairs]  # per seed: async, sync final reward; async, sync wall (the loops', start-up excluded)
-    rows = [(name, f"{a:.3f}", f"{s:.3f}", f"{a - s:+.3f}", f"{wa:.0f} s", f"{ws:.0f} s", f"{wa / ws:.2f}")
-            for name, (a, s, wa, ws) in [*zip(range(seeds), runs), ("mean", list(map(mean, zip(*runs))))]]
-    rows += [("sd", *(f"{stdev(r[j] for r in runs):.3f}" for j in (0, 1)), "target: mean within ±0.05")]
-    table(f"learning parity: --max_steps={steps}, final reward = mean of the last {last} steps", ["seed",
-          "async final reward (measured)", "sync (baseline)", "difference", "async wall", "sync wall", "ratio"], rows)
 
 
 def bench_fixed():
@@ -153,12 +130,12 @@ def bench_engine():
           "(measured)", "HF generate tok/s (baseline)", "ratio", "memory bound tok/s", "engine / bound"], rows)
 
 
-BENCHES = {"engine": bench_engine, "parity": bench_parity, "fixed": bench_fixed, "trl": bench_trl,
+BENCHES = {"engine": bench_engine, "fixed": bench_fixed, "trl": bench_trl,
            "checkpointing": bench_checkpointing}
 if __name__ == "__main__":  # not in a rollout process a section spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: fewer tokens, steps, seeds and repeats")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: fewer tokens, steps and repeats")
     ap.add_argument("--threads", type=int, default=0, help="engine: torch.set_num_threads (0: all cores)")
     ap.add_argument("--before", default="8482101", help="fixed: the baseline commit")
     ap.add_argument("--trl_python", default="python", help="trl: the interpreter of a venv with trl installed")

@@ -27,6 +27,7 @@ class Config:
     dtype: str = "float32"  # compute dtype (trainer and engine): float32 or bfloat16; master weights stay float32
     reshard_after_forward: str = "auto"  # FSDP2: free gathered weights after forward (true, false; auto: on GPUs)
     activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, more compute
+    cpu_offload: bool = False  # FSDP2 (GPUs): parameters, gradients, optimizer state in CPU memory between uses
     tiny_layers: int = 4  # tiny model: decoder layers
     tiny_hidden: int = 128  # tiny model: width
     tiny_experts: int = 8  # tiny model: experts per MoE layer (0 = dense)

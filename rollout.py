@@ -774,7 +774,8 @@ class ServerEngine:
         self.group = self.meta = self.loaded = self.failed = None  # loaded: the servers' version (None: unknown)
         self.open = asyncio.Event()  # admitting requests
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
-        self.calls, self.in_flight, self.tokens_generated = itertools.count(), set(), 0  # in_flight: answers' futures
+        self.calls, self.tokens_generated = itertools.count(), 0
+        self.in_flight, self.home = {}, {}  # an answer's future -> its server; an episode -> its server
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
     async def generate(self, ids, max_new_tokens=None, key=None, sampling=None) -> Completion:
@@ -785,8 +786,13 @@ class ServerEngine:
         version, i = self.version, next(self.calls)
         seed = int(uniform([[self.seed, *(key or (-1, i))]])[0] * 2**31)  # per request, as the torch engine's
         p = dict(self.params, max_new_tokens=max_new, seed=seed) | (sampling or {})  # draws (sampling_seed, seed)
-        # an episode's calls all go to one server (its radix cache keeps their shared prefix); unkeyed: round-robin
-        out, logprobs, experts = await self._submit((key[0] if key else i) % len(self.urls), [*ids], p)
+        # an episode's calls all go to one server (its radix cache keeps their shared prefix): the one with the fewest
+        # requests in flight at its first call, ties by the episode's index modulo n; unkeyed calls: round-robin
+        n = len(self.urls)
+        if key and key[0] not in self.home:
+            busy = [*self.in_flight.values()]
+            self.home[key[0]] = min(range(n), key=lambda k: (busy.count(k), (k - key[0]) % n))
+        out, logprobs, experts = await self._submit(self.home[key[0]] if key else i % n, [*ids], p)
         self.tokens_generated += len(out)
         routing = None
         if experts is not None and self.moe_layers:  # every fed position: (T-1, layers, k)
@@ -803,8 +809,8 @@ class ServerEngine:
             self.queued[k] = []
             asyncio.ensure_future(self._send(k, self.queued[k]))  # held by the loop, then by its HTTP call
         fut = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(self.in_flight.discard)
-        self.in_flight.add(fut)
+        fut.add_done_callback(self.in_flight.pop)
+        self.in_flight[fut] = k
         self.queued[k].append((ids, p, fut))
         return fut
 

@@ -41,14 +41,17 @@ from model_moe import LoRALinear, ModelConfig, Transformer, add_lora, convert_gg
 
 def compute_init(cfg):
     """-> (rank, world, device, fsdp). Under torchrun one group for both devices (a CPU tensor in a collective needs
-    gloo); one process with dtype != float32 gets a group of one, so mixed precision goes through FSDP2."""
+    gloo); one process with dtype != float32 or cpu_offload gets a group of one: mixed precision and offload are
+    FSDP2's."""
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif cfg.cpu_offload:  # the weights are in CPU memory already
+        raise ValueError("config: cpu_offload=True moves weights off a GPU, and this machine has none")
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend)
-    elif cfg.dtype != "float32":
+    elif cfg.dtype != "float32" or cfg.cpu_offload:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     fsdp = dist.is_initialized()
     return dist.get_rank() if fsdp else 0, dist.get_world_size() if fsdp else 1, device, fsdp
@@ -116,9 +119,10 @@ def tiny_init(cfg, rank, fsdp):
 def shard(model, cfg, device):
     """FSDP2: one unit per block; the root holds embeddings, final norm and lm_head. reshard_after_forward auto: on
     GPUs (memory); on CPU (gloo) gathered weights stay from forward to backward, one all-gather fewer per block."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
-              reshard_after_forward={"auto": device.type == "cuda", "true": True}.get(cfg.reshard_after_forward, False))
+              reshard_after_forward={"auto": device.type == "cuda", "true": True}.get(cfg.reshard_after_forward, False),
+              offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())  # the step's AdamW on CPU
     for block in model.model.layers:
         fully_shard(block, **kw)
     return fully_shard(model, **kw)
@@ -140,7 +144,7 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, crit
     if fsdp:
         with torch.device("meta"):
             model = adapt(Transformer(ModelConfig.load(path)))
-        shard(model, cfg, device).to_empty(device=device)
+        shard(model, cfg, device).to_empty(device="cpu" if cfg.cpu_offload else device)  # the shards' home
         full = adapt(Transformer.from_pretrained(path)).state_dict() | (adapters or {}) if rank == 0 else {}
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:

@@ -130,3 +130,21 @@ def test_a_bf16_run_logs_mismatch(tmp_path, extra):
     assert all(m["memory/peak_mb"] > 0 and math.isfinite(m["grad/norm"]) for m in ms)  # CUDA's allocated peak
     for m in ms:  # bf16 trainer against the engine's fp32 copy: small, but not the fp32 run's ~1e-7
         assert 0 < m["mismatch/logprob_abs_diff"] < 0.1 and math.isfinite(m["mismatch/kl"])
+
+
+def test_cpu_offload_trains_as_without_it(tmp_path):
+    """cpu_offload: FSDP2 keeps parameters, gradients and AdamW state (policy and KL reference) in CPU memory. Step 1
+    samples the same tokens from the same weights, so its loss and gradient norm are the GPU-resident run's."""
+    runs = {}
+    for on in (False, True):
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+               f"--out_dir={tmp_path / str(on)}", "--max_steps=3", "--max_staleness=0", "--ckpt_every=0",
+               "--kl_coef=0.1", f"--cpu_offload={on}"]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[on] = [json.loads(line) for line in open(tmp_path / str(on) / "metrics.jsonl")]
+    off, on = runs[False], runs[True]
+    assert len(on) == 3 and all(math.isfinite(m["grad/norm"]) and m["mismatch/logprob_abs_diff"] < 1e-3 for m in on)
+    assert on[0]["loss/policy"] == pytest.approx(off[0]["loss/policy"], rel=1e-4, abs=1e-6)
+    assert on[0]["grad/norm"] == pytest.approx(off[0]["grad/norm"], rel=1e-4)
+    assert on[0]["loss/kl_ref"] == pytest.approx(off[0]["loss/kl_ref"], rel=1e-4, abs=1e-7)

@@ -214,6 +214,29 @@ def test_every_call_of_an_episode_goes_to_one_server(tmp_path):
         f.close()
 
 
+def test_a_new_episode_goes_to_the_server_with_the_fewest_requests_in_flight(tmp_path):
+    """Episode 0's call holds server 0 (its answer waits): episode 2 starts on server 1, where by index modulo 2 it
+    would join the busy one; each later call of either stays on its episode's server."""
+    fakes = [FakeSGLang(384), FakeSGLang(384)]
+    e = sglang_engine(fakes, tmp_path, tiny_config(384))
+    fakes[0].gate.clear()
+
+    async def two():
+        first = asyncio.ensure_future(e.generate([1, 60], key=(0, 0)))
+        while not fakes[0].calls("/generate"):
+            await asyncio.sleep(0.01)
+        await e.generate([1, 62], key=(2, 0))
+        fakes[0].gate.set()
+        await first
+        for ep in (0, 2):
+            await e.generate([1, 60 + ep, 70], key=(ep, 1))
+    drive(e, two)
+    where = {k: [b["input_ids"][0][1] - 60 for b in f.calls("/generate")] for k, f in enumerate(fakes)}
+    assert where == {0: [0, 0], 1: [2, 2]}, where
+    for f in fakes:
+        f.close()
+
+
 def test_requests_made_together_share_one_generate_call(tmp_path):
     """SGLang's /generate takes many prompts: the requests of one moment go in one call, each gets its answer."""
     fake = FakeSGLang(384)

@@ -176,6 +176,13 @@ def test_resume_without_a_checkpoint_is_an_error_that_keeps_the_metrics(tmp_path
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU cpu_offload runs: tests/test_gpu.py")
+def test_cpu_offload_without_a_gpu_is_a_clear_error(tmp_path):
+    r = run_train(tmp_path, "--max_steps=1", "--cpu_offload", timeout=120)
+    assert r.returncode != 0 and "cpu_offload=True" in r.stderr and "GPU" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 # ---- 13. SIGTERM is honoured in every wait; groups filtered without end are an error ----
 
 SOLVED_AGENT = """
