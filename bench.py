@@ -130,8 +130,7 @@ def bench_engine():
           "(measured)", "HF generate tok/s (baseline)", "ratio", "memory bound tok/s", "engine / bound"], rows)
 
 
-BENCHES = {"engine": bench_engine, "fixed": bench_fixed, "trl": bench_trl,
-           "checkpointing": bench_checkpointing}
+BENCHES = {"engine": bench_engine, "fixed": bench_fixed, "trl": bench_trl, "checkpointing": bench_checkpointing}
 if __name__ == "__main__":  # not in a rollout process a section spawns
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", nargs="?", default="engine", choices=[*BENCHES, "all"], help="what to measure")

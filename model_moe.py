@@ -242,21 +242,11 @@ class MoE(nn.Module):
             n = keep.sum().clamp(min=1)
             share = torch.zeros(E, device=x.device).index_add(0, flat, keep.repeat_interleave(k)) / (n * k)
             self.aux_loss = E * (share * (probs * keep[:, None]).sum(0) / n).sum()
-        order = flat.argsort(stable=True)  # grouped by expert
-        if x.is_cpu and not torch.is_grad_enabled() and E * (C := int(counts.max())) < 2 * len(flat) + 16 * E:
-            # CPU generation, few rows per expert, padding at most ~doubles the rows: each expert's rows padded to C,
-            # three batched matmuls over (E, C, H): three BLAS wake-ups per layer, not three per expert
-            rank = torch.empty_like(flat)  # of each pair among its expert's rows
-            rank[order] = torch.arange(len(flat), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
-            at = flat * C + rank  # (N*k,) row of each pair in the padded (E * C, H) layout
-            xs = x.new_zeros(E * C, H).index_copy(0, at, x.repeat_interleave(k, 0)).view(E, C, H)
-            h = F.silu(torch.bmm(xs, self.w_gate.mT)) * torch.bmm(xs, self.w_up.mT)  # (E, C, I)
-            out = torch.bmm(h, self.w_down.mT).view(E * C, H)[at]  # (N*k, H) in token order
-        else:  # one grouped matmul (a matmul per expert over its rows, no host sync) per projection
-            ends = counts.cumsum(0).to(torch.int32)  # expert e's rows end at ends[e]
-            xs = x[order // k]  # (N*k, H), grouped by expert
-            h = F.silu(F.grouped_mm(xs, self.w_gate.mT, offs=ends)) * F.grouped_mm(xs, self.w_up.mT, offs=ends)
-            out = F.grouped_mm(h, self.w_down.mT, offs=ends)[order.argsort()]  # (N*k, H) in token order
+        # grouped by expert: one grouped matmul per projection (a matmul per expert over its rows, no host sync)
+        order, ends = flat.argsort(stable=True), counts.cumsum(0).to(torch.int32)  # expert e's rows end at ends[e]
+        xs = x[order // k]  # (N*k, H)
+        h = F.silu(F.grouped_mm(xs, self.w_gate.mT, offs=ends)) * F.grouped_mm(xs, self.w_up.mT, offs=ends)
+        out = F.grouped_mm(h, self.w_down.mT, offs=ends)[order.argsort()]  # (N*k, H) in token order
         y = (out.view(-1, k, H) * weights[..., None].to(x.dtype)).sum(1)  # each token's k rows, weighted
         return y.reshape(shape), experts.reshape(*shape[:-1], self.top_k)
 

@@ -116,7 +116,6 @@ class _Request:
     logprobs: list
     versions: list
     slot: int = -1
-    fed: int = 0  # tokens whose keys are in the cache
     key: tuple = ()  # (episode, call): with the seed and a token's position, what its random draw is a function of
     images: list | None = None  # (C, H, W) each, for the prompt's placeholders; used by prefills only
     shift: int = 0  # M-RoPE: a decoded position turns this much more than its index (a prefill has the images)
@@ -161,9 +160,9 @@ class TorchEngine:
         their keys recomputed: a token tagged `version` is exactly what those weights sample (the recompute matches)."""
         self.model.load_state_dict(state, strict=False)
         self.version = version
-        rows = [r for r in self.active.values() if r.fed > 0]
+        rows = list(self.active.values())  # each holds the keys of all its tokens but the last sampled one
         if rows:  # no logits needed, only the keys
-            self._forward(rows, [r.ids[:r.fed] for r in rows], start=[0] * len(rows), prefill=True, logits=False)
+            self._forward(rows, [r.ids[:-1] for r in rows], start=[0] * len(rows), prefill=True, logits=False)
 
     @torch.inference_mode()  # not no_grad: it also skips autograd's view and version tracking
     def _forward(self, rows, chunks, start, prefill=False, logits=True):
@@ -185,8 +184,6 @@ class TorchEngine:
                                         return_routing=True, images=images, logits_at=last.to(dev) & logits,
                                         rope_shift=torch.tensor([0 if prefill else r.shift for r in group], device=dev))
             out.append(logit)  # (b, V) in row order
-            for r, m, s in zip(group, lens.tolist(), starts):
-                r.fed = s + m
             if routing is not None:  # routing (n_moe, b, T, k) -> the slots' records, at the rows' real positions
                 real = torch.arange(T) < lens[:, None]  # (b, T): not padding
                 self.routing[slots[:, None].expand(-1, T)[real], pos[real]] = \
@@ -208,12 +205,21 @@ class TorchEngine:
                 self.active[r.slot] = r
                 if self.routing is not None:
                     self.routing[r.slot] = -1  # forget the previous occupant's experts
-            if new:  # prefill: the whole prompt of each new row; sample its first token
-                self._sample(new, self._forward(new, [r.ids for r in new], [0] * len(new), prefill=True))
+            if new:  # prefill: the whole prompt of each new row; sample its first token. Equal prompts without images
+                lead = {}  # (a GRPO group's) are computed once, its keys, values and experts copied to the others
+                src = [lead.setdefault(tuple(r.ids) if r.images is None else id(r), r) for r in new]
+                logits = self._forward(uniq := [*lead.values()], [r.ids for r in uniq], [0] * len(uniq), prefill=True)
+                if dup := [(r.slot, s.slot) for r, s in zip(new, src) if r is not s]:
+                    (d, s), n = map(list, zip(*dup)), max(len(r.ids) for r in new)
+                    for t in (self.cache.k, self.cache.v):  # (L, S, nkv, max_len, hd)
+                        t[:, d, :, :n] = t[:, s, :, :n]
+                    if self.routing is not None:
+                        self.routing[d, :n] = self.routing[s, :n]
+                self._sample(new, logits[[uniq.index(s) for s in src]])
             # in slot order: when the slots in use are consecutive (all busy), the cache reads them as a view
             rows = [self.active[s] for s in sorted(self.active) if self.active[s] not in new]
             if rows:  # decode: feed each row's last sampled token
-                self._sample(rows, self._forward(rows, [r.ids[-1:] for r in rows], [r.fed for r in rows]))
+                self._sample(rows, self._forward(rows, [r.ids[-1:] for r in rows], [len(r.ids) - 1 for r in rows]))
         return len(new) + len(rows)
 
     def _sample(self, rows, logits):

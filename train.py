@@ -27,7 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 import agent
@@ -63,12 +63,22 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 def full_state(model, fsdp, changed=False, merged=True):
     """The whole (unsharded) state dict on rank 0, on CPU, LoRA adapters merged in (model_moe.merge_lora) unless
     merged=False; an empty dict on other ranks. changed: only the layers LoRA adapts (nothing else changes)."""
-    if changed:  # every rank joins each gather (full_tensor is a collective), in the same order
-        sd = {f"{n}.{k}": (p.full_tensor() if fsdp else p).detach().cpu() for n, m in model.named_modules()
-              if isinstance(m, LoRALinear) for k, p in m.named_parameters()}
-    else:
-        sd = get_model_state_dict(model, options=FULL) if fsdp else {k: v.cpu() for k, v in model.state_dict().items()}
-    return {} if fsdp and dist.get_rank() else merge_lora(model, sd)[0] if merged else sd
+    lora = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    sd = {k: v for k, v in model.state_dict(keep_vars=True).items() if not changed or k.rpartition(".")[0] in lora}
+    if fsdp:  # one all-gather of every rank's shard, flat (one per tensor costs ~0.7 ms each on gloo), each padded to
+        # ceil(len / world) rows: FSDP2 splits dim 0 as torch.chunk, so only the last rank with rows may hold fewer
+        world, unique = dist.get_world_size(), {id(v): v for v in sd.values()}  # a tied weight once
+        n = {i: -(-len(v) // world) * math.prod(v.shape[1:]) for i, v in unique.items()}  # elements each rank sends
+        flat = torch.cat([torch.nn.functional.pad(t := v.to_local().detach().flatten(), (0, n[i] - len(t)))
+                          for i, v in unique.items()])
+        out = flat.new_empty(world * len(flat))
+        dist.all_gather_single(out, flat)
+        if dist.get_rank():
+            return {}
+        parts = dict(zip(unique, out.cpu().view(world, -1).split(list(n.values()), 1)))  # (world, n[i]): rank r's row r
+        sd = {k: parts[id(v)].flatten()[:v.numel()].view(v.shape) for k, v in sd.items()}
+    sd = {k: v.detach().cpu() for k, v in sd.items()}
+    return merge_lora(model, sd)[0] if merged else sd
 
 # ---- the policy ----
 
@@ -195,8 +205,8 @@ def split_batch(msgs, advantages, world, budget):
 
 
 def make_shares(msgs, advantages, world, cfg):
-    """Rank 0: the batch -> each rank's share: per update (mini-batch, in data order), its micro-batches and
-    the mini-batch's token and episode counts (what the aggregation divides by)."""
+    """The batch -> each rank's share (every rank deals the same): per update (mini-batch, in data order), its
+    micro-batches and the mini-batch's token and episode counts (what the aggregation divides by)."""
     parts = torch.arange(len(msgs)).tensor_split(min(cfg.mini_batches, len(msgs)))  # none empty, sizes within one
     minis = [([msgs[i] for i in p.tolist()], [advantages[i] for i in p.tolist()]) for p in parts]
     counts = [(float(sum(m["loss_mask"].sum() for m in ms)), float(len(ms))) for ms, _ in minis]
@@ -584,7 +594,8 @@ def main(argv=None):
                         adapters=(saved or {}).get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
-    adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps,
+                                                 fused=True)  # one kernel a tensor: on CPU 4x the per-tensor loops
     opt = None if cfg.eval_only else adamw([p for p in model.parameters() if p.requires_grad], cfg.lr)
     gae = cfg.advantage == "gae" and not cfg.eval_only  # critic: (the value model, its optimizer)
     net = gae and build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=(saved or {}).get("critic"),
@@ -614,21 +625,19 @@ def main(argv=None):
         while step < cfg.max_steps and not cfg.eval_only:
             t_step = time.perf_counter()
             # ---- 1. a batch from the rollout queue ----
-            shares, msgs, wait, stop = [None] * world, None, 0.0, STOP["signal"]
+            msgs, wait, stop = None, 0.0, STOP["signal"]
             if rank == 0 and stop is None:
                 try:
                     msgs, wait = take_batch(cfg, ro, step, counters)
                     stop = STOP["signal"] if msgs is None else None
                 except RuntimeError as e:  # the rollout process died: every rank stops, with a checkpoint
                     stop = f"error: {e}"
-            # ---- 2. advantages (opd: GRPO's of the task reward, weighted; the teacher's come per token) ----
-            if rank == 0 and stop is None:
-                shares = make_shares(msgs, advantages(cfg, msgs).tolist(), world, cfg)
-            # rank 0 sends every rank its share and one decision to stop (a signal may reach them at different times)
-            out = [(stop, shares[rank])]
+            # rank 0 sends every rank the batch, packed (numpy arrays pickle by value; a tensor by torch.save, ~0.1 ms
+            # each), and one decision to stop (a signal may reach the ranks at different times)
+            out = [(stop, rollout.pack(msgs) if world > 1 and stop is None else None)]
             if world > 1:
-                dist.scatter_object_list(out, [(stop, share) for share in shares] if rank == 0 else None, src=0)
-            stop, share = out[0]
+                dist.broadcast_object_list(out, src=0)
+            stop, msgs = out[0][0], rollout.unpack(out[0][1]) if out[0][1] else msgs
             if stop is not None:
                 held = log_held(logger, ro, held, not stop.startswith("error"))
                 save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp, critic)
@@ -636,6 +645,8 @@ def main(argv=None):
                     raise RuntimeError(f"{stop}; checkpoint of step {step} written to {cfg.out_dir}/ckpt")
                 print(f"{stop}: checkpoint of step {step} written to {cfg.out_dir}/ckpt; exiting", flush=True)
                 break
+            # ---- 2. advantages (opd: GRPO's of the task reward, weighted; the teacher's come per token), shares ----
+            share = make_shares(msgs, advantages(cfg, msgs).tolist(), world, cfg)[rank]  # every rank deals alike
             # ---- 3-4. recompute, loss, backward, optimizer steps ----
             t_train = time.perf_counter()
             vec, stale_max, norms = train_step(model, opt, share, cfg, step, world, ref, teacher, critic)

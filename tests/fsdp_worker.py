@@ -50,9 +50,9 @@ first moves its zero value head, so the second's gradients reach the whole criti
                        "gae": ["--advantage=gae", "--mini_batches=2", "--value_clip=0.05", "--gae_gamma=0.9"]
                        }.get(mode, []) + list(args))
     rank, world, device, _ = train.compute_init(cfg)
-    c = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    c = ModelConfig(vocab_size=51, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                    **(dict(vision=VISION, mrope_section=[2, 1, 1], image_token_id=49) if vision else {}))
+                    **(dict(vision=VISION, mrope_section=[2, 1, 1], image_token_id=50) if vision else {}))
     model = Transformer(c).init_weights(0, std=0.2)
     ref = Transformer(c).init_weights(1, std=0.2).requires_grad_(False) if mode == "kl" else None
     msgs = make_msgs(model, 7, 1)
@@ -93,7 +93,7 @@ first moves its zero value head, so the second's gradients reach the whole criti
                for pre, net in nets for k, p in net.named_parameters()}
     sums = train.reduce_metrics(vec, 0, world)[0]  # over the ranks: the critic's value loss, clip count, EV sums
     metrics = torch.tensor([sums[k] for k in ("loss", "value", "v_clip", "ret2", "err2")])
-    published = train.full_state(model, world > 1, changed=True) if mode == "lora" else {}
+    published = train.full_state(model, world > 1, changed=mode == "lora")  # what a publish sends (2 ranks: gathered)
     if rank == 0:
         torch.save({"grads": grads, "weights": weights, "published": published, "metrics": metrics}, out)
     if world > 1:

@@ -128,6 +128,32 @@ def test_continuous_batching_matches_one_at_a_time():
     assert [c.ids for c in together] == [a[:n] for a, n in zip(alone, stopped)]
 
 
+def test_equal_prompts_share_one_prefill_and_sample_as_alone():
+    """A GRPO group's equal prompts are prefilled once (the first row's keys, values and experts copied to the others'
+    slots): each row still samples, scores and routes what it does alone, keyed by its episode."""
+    m = tiny(7)
+    p, other = prompts(2, 7)
+    reqs = [(p, (e, 0)) for e in range(5)] + [(other, (9, 0))]
+
+    def go(engine, reqs):
+        async def main():
+            loop = asyncio.create_task(engine.run())
+            outs = await asyncio.gather(*(engine.generate(ids, key=k) for ids, k in reqs))
+            loop.cancel()
+            return outs
+        return asyncio.run(main())
+    e, rows = TorchEngine(m, slots=6, max_len=64, temperature=1.0, max_new_tokens=6, seed=3), []
+    forward = e._forward
+    e._forward = lambda batch, *a, **kw: rows.append(len(batch)) or forward(batch, *a, **kw)  # counts, then runs
+    together = go(e, reqs)
+    assert rows[0] == 2  # the first step's prefill: one row per distinct prompt
+    for (ids, k), c in zip(reqs, together):
+        alone = go(TorchEngine(m, slots=1, max_len=64, temperature=1.0, max_new_tokens=6, seed=3), [(ids, k)])[0]
+        assert c.ids == alone.ids and torch.equal(c.routing, alone.routing)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, alone.logprobs)) < 1e-5
+    assert len({tuple(c.ids) for c in together[:5]}) > 1  # the rows that shared a prefill sample apart
+
+
 def test_weight_swap_mid_generation():
     m, new = tiny(5), tiny(6)
     e = TorchEngine(m, slots=4, max_len=64, temperature=1.0, max_new_tokens=12, seed=1)

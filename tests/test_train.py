@@ -21,8 +21,13 @@ ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
                                   "vision --activation_checkpointing=true --reshard_after_forward=true"])
 def test_fsdp_two_ranks_equal_one_process(tmp_path, mode):
     one, two = one_and_two_ranks(tmp_path, *mode.split(), timeouts=(300, 120))
-    same_tensors(one, two, ("grads", "weights"))
+    same_tensors(one, two, ("grads", "weights", "published"))
     assert any(g.abs().max() > 0 for g in one["grads"].values())
+    # the publish's one flat all-gather (train.full_state) rebuilds every tensor as DTensor.full_tensor does, the
+    # 51-row embedding (split 26 / 25) and the lm_head tied to it too
+    assert set(two["published"]) == set(two["weights"]) | {"lm_head.weight"}
+    assert all(torch.equal(two["published"][k], w) for k, w in two["weights"].items())
+    assert torch.equal(two["published"]["lm_head.weight"], two["weights"]["model.embed_tokens.weight"])
 
 
 def test_split_batch_gives_every_rank_as_many_micro_batches_within_the_budget():
