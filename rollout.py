@@ -713,7 +713,7 @@ def vllm_generate(url, ids, p, timeout):
         "top_k": p["top_k"] or -1, "stop_token_ids": p["stop_ids"], "seed": p["seed"], "logprobs": 0,  # sampled only
         "return_token_ids": True, "skip_special_tokens": False}, timeout)["choices"][0]
     experts = c.get("routed_experts") and np.load(io.BytesIO(base64.b64decode(c["routed_experts"])))  # .npy bytes
-    return [(c["token_ids"], c["logprobs"]["token_logprobs"], experts)]
+    return [(c["token_ids"], c["logprobs"]["token_logprobs"], experts, 0)]  # cached tokens: not reported
 
 
 def vllm_load_weights(url, path, timeout):
@@ -733,15 +733,16 @@ def sglang_command(model_dir, port, cfg, moe):
 
 
 def sglang_generate(url, ids, ps, timeout):
-    """The native /generate with many prompts' input_ids -> per prompt (ids, logprobs, experts (T-1, layers, k))."""
+    """The native /generate with many prompts' input_ids -> per prompt (ids, logprobs, experts (T-1, layers, k), the
+    prompt tokens its radix cache held)."""
     answers = _http(url + "/generate", {"input_ids": ids, "return_logprob": True, "return_routed_experts": ps[0][
         "experts"], "sampling_params": [{"max_new_tokens": p["max_new_tokens"], "temperature": p["temperature"],
         "top_p": p["top_p"], "top_k": p["top_k"] or -1, "stop_token_ids": p["stop_ids"], "sampling_seed": p["seed"],
         "skip_special_tokens": False, "no_stop_trim": True} for p in ps]}, timeout)
     # meta_info.output_token_logprobs holds (logprob, id, _) per token; routed_experts is base64 of int32
     return [([t[1] for t in m["output_token_logprobs"]], [t[0] for t in m["output_token_logprobs"]],
-             m.get("routed_experts") and np.frombuffer(base64.b64decode(m["routed_experts"]), np.int32))
-            for m in (a["meta_info"] for a in answers)]
+             m.get("routed_experts") and np.frombuffer(base64.b64decode(m["routed_experts"]), np.int32),
+             m.get("cached_tokens", 0)) for m in (a["meta_info"] for a in answers)]
 
 
 def sglang_load_weights(url, path, timeout):  # also flushes the radix cache: no prefix of the old weights is reused
@@ -780,7 +781,7 @@ class ServerEngine:
         self.group = self.meta = self.loaded = self.failed = None  # loaded: the servers' version (None: unknown)
         self.open = asyncio.Event()  # admitting requests
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency + len(self.urls))  # one thread per call
-        self.calls, self.tokens_generated = itertools.count(), 0
+        self.calls, self.tokens_generated, self.prompt_tokens = itertools.count(), 0, np.zeros(2, int)  # sent, cached
         self.in_flight, self.home = {}, {}  # an answer's future -> its server; an episode -> its server
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
@@ -798,8 +799,9 @@ class ServerEngine:
         if key and key[0] not in self.home:
             busy = [*self.in_flight.values()]
             self.home[key[0]] = min(range(n), key=lambda k: (busy.count(k), (k - key[0]) % n))
-        out, logprobs, experts = await self._submit(self.home[key[0]] if key else i % n, [*ids], p)
+        out, logprobs, experts, cached = await self._submit(self.home[key[0]] if key else i % n, [*ids], p)
         self.tokens_generated += len(out)
+        self.prompt_tokens += (len(ids), cached)  # what SGLang's radix cache saved (sticky routing: tests/test_servers)
         routing = None
         if experts is not None and self.moe_layers:  # every fed position: (T-1, layers, k)
             routing = torch.from_numpy(experts.astype(np.int16)).reshape(len(ids) + len(out) - 1, -1, self.top_k)

@@ -634,7 +634,7 @@ def main(argv=None):
                     stop = f"error: {e}"
             # rank 0 sends every rank the batch, packed (numpy arrays pickle by value; a tensor by torch.save, ~0.1 ms
             # each), and one decision to stop (a signal may reach the ranks at different times)
-            out = [(stop, rollout.pack(msgs) if world > 1 and stop is None else None)]
+            out = [(stop, rollout.pack(msgs) if world > 1 and msgs else None)]  # (rank 0 alone has msgs)
             if world > 1:
                 dist.broadcast_object_list(out, src=0)
             stop, msgs = out[0][0], rollout.unpack(out[0][1]) if out[0][1] else msgs

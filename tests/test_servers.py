@@ -474,7 +474,7 @@ def test_vllm_episodes_are_the_server_tokens_with_versions_and_logprobs(vllm_ser
 
     def recording(*args):  # what the server answered, before any of our code touches it
         r = generate(*args)
-        returned.append(list(r[0][0]))  # [(ids, logprobs, experts)]: one prompt a call
+        returned.append(list(r[0][0]))  # [(ids, logprobs, experts, cached)]: one prompt a call
         return r
     e.api = dict(e.api, generate=recording)
     cfg = config.load(["--group_size=2", "--prompts_per_step=2", "--max_turns=2", "--max_staleness=0"])
@@ -791,6 +791,46 @@ def test_killed_sglang_server_is_a_clear_error(sglang_server, tok):  # last: it 
         return await e.generate([1, 2, 3])
     with pytest.raises(ServerError, match=r"(?s)unreachable.*last lines of .*sglang.log"):
         drive(e, kill_then_generate)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", [on("cpu"), on("cuda")])
+def test_sticky_routing_keeps_each_episodes_prefix_in_its_servers_radix_cache(tmp_path, tok, tok_dir, device):
+    """Two real SGLang servers, 16 three-turn episodes at once, by the servers' own counts (meta_info.cached_tokens):
+    with every call of an episode on one server, its later turns find the conversation so far in that server's radix
+    cache; with the calls spread over both (no episode key: round-robin by call, the routing before sticky) they miss
+    it about half the time. Each run starts on flushed caches (the engine loads its weights with flush_cache)."""
+    cfg, c = config.load(sglang_flags(device, tmp_path)), tiny_config(len(tok))
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    wdir, servers = str(tmp_path / "engine_weights"), []
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in SGLANG[device]["env"].items():
+                mp.setenv(k, v)
+            first = write_weights(wdir, c, tok_dir, 0, Transformer(c).init_weights(0, std=0.3).state_dict())
+            servers = [start_server("sglang", first, cfg, str(tmp_path / f"sglang{k}.log")) for k in range(2)]
+
+        async def episode(e, j, keyed):
+            ids = agent.prompt_ids(tok, f"I guess {j}. {j + 1} is too high")  # distinct prompts
+            for turn in range(3):
+                out = (await e.generate(ids, key=(j, turn) if keyed else None)).ids
+                ids = ids + out + [end] * (out[-1:] != [end]) + agent.turn_suffix(tok, "say a number")
+
+        async def episodes(e, keyed):
+            await asyncio.gather(*(episode(e, j, keyed) for j in range(16)))
+        counts = {}
+        for keyed in (True, False):
+            e = ServerEngine("sglang", [u for _, u in servers], model_config=c, weights_dir=wdir, stop_ids=[end],
+                             max_new_tokens=8, max_len=256, seed=0, sync="disk")
+            drive(e, lambda: episodes(e, keyed))
+            counts[keyed] = e.prompt_tokens.tolist()  # (prompt tokens sent, of them cached)
+    finally:
+        for p, _ in servers:
+            stop_server(p)
+    (sent, hit), (sent_rr, hit_rr) = counts[True], counts[False]
+    print(f"sticky: {hit} of {sent} prompt tokens cached ({hit / sent:.0%}); round-robin: {hit_rr} of {sent_rr} "
+          f"({hit_rr / sent_rr:.0%})")
+    assert hit / sent > 0.5 and hit / sent > 1.3 * hit_rr / sent_rr
 
 
 @pytest.mark.slow
