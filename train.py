@@ -637,7 +637,7 @@ def main(argv=None):
             out = [(stop, rollout.pack(msgs) if world > 1 and msgs else None)]  # (rank 0 alone has msgs)
             if world > 1:
                 dist.broadcast_object_list(out, src=0)
-            stop, msgs = out[0][0], rollout.unpack(out[0][1]) if out[0][1] else msgs
+            stop, msgs = out[0][0], rollout.unpack(out[0][1]) if rank and out[0][1] else msgs  # rank 0 keeps its own
             if stop is not None:
                 held = log_held(logger, ro, held, not stop.startswith("error"))
                 save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp, critic)
