@@ -493,12 +493,13 @@ class Logger:
             f.write(json.dumps(m) + "\n")
         self.to_wandb(m, step=m["step"])
         t, k, mm = time.perf_counter() - self.t0, self.cfg.eval_samples, m.get("mismatch/logprob_abs_diff")
+        evals = [f"pass@{j} {m[f'eval/pass@{j}']:.3f}" for j in sorted({1, k}) if f"eval/pass@{j}" in m]
         rate, hms = (m["step"] - self.start) / t, lambda s: str(datetime.timedelta(seconds=round(s)))
         parts = [f"step {m['step']:4d}/{self.cfg.max_steps}"] + ([  # (an evaluation's own line has no reward)
             f"reward {m['reward/mean']:.3f}", f"loss {m['loss/policy']:+.4f}", f"stale {m['staleness/mean']:.2f}/"
             f"{m['staleness/max']}", f"mismatch {'-' if mm is None else f'{mm:.1e}'}", f"{m['time/step']:.2f}s (wait "
             f"{m['time/wait_rollout']:.2f}s)"] if "reward/mean" in m else []) + ([
-            f"eval pass@1 {m['eval/pass@1']:.3f} pass@{k} {m[f'eval/pass@{k}']:.3f}"] if "eval/pass@1" in m else [])
+            "eval " + " ".join(evals)] if evals else [])
         eta = hms((self.cfg.max_steps - m["step"]) / rate) if rate > 0 else "?"
         print(" | ".join(parts + [f"{rate:.2f} steps/s, {hms(t)} elapsed, ETA {eta}"]), flush=True)
 

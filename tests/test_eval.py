@@ -180,3 +180,16 @@ def test_wandb_offline_run_holds_the_metrics_lines_and_a_resumed_run_continues_i
     for m in lines:  # the same dict as each metrics line
         for k, v in m.items():
             assert history[m["step"]][k] == pytest.approx(v), k
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_console_line_names_each_pass_at_k_once(tmp_path, capsys, k):
+    """An evaluation's console line: pass@1, and pass@k beside it only when k > 1 (eval_samples=1: pass@1 once)."""
+    cfg = config.load([f"--out_dir={tmp_path}", f"--eval_samples={k}"])
+    log = train.Logger(cfg, 0, {}).log
+    log({"step": 1, "reward/mean": 0.5, "loss/policy": 0.1, "staleness/mean": 0.0, "staleness/max": 0, "time/step": 1.0,
+         "time/wait_rollout": 0.0})
+    assert "reward 0.500" in capsys.readouterr().out
+    log({"step": 1, "eval/pass@1": 0.25, f"eval/pass@{k}": 0.5 if k > 1 else 0.25})
+    line = capsys.readouterr().out
+    assert line.count("pass@1 0.250") == 1 and ("pass@4 0.500" in line) == (k == 4), line
