@@ -1,6 +1,43 @@
+import os
+import subprocess
+
 import pytest
 
 import agent
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INSTALL = {}  # --install-servers: the background install's process and log
+
+
+def pytest_addoption(parser):
+    parser.addoption("--install-servers", action="store_true",
+                     help="install vLLM and SGLang (tests/install_vllm.sh, tests/install_sglang.sh) in the background "
+                          "while the other tests run; the server tests (tests/test_servers.py, run last) wait for it")
+
+
+def pytest_configure(config):
+    if config.getoption("--install-servers"):
+        INSTALL["log"] = os.path.join(ROOT, ".venv-install.log")
+        with open(INSTALL["log"], "wb") as log:
+            INSTALL["proc"] = subprocess.Popen("bash tests/install_vllm.sh && bash tests/install_sglang.sh", shell=True,
+                                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name == "test_servers.py")  # stable: the server tests last, all else as is
+
+
+def pytest_unconfigure(config):
+    if "proc" in INSTALL:  # no run leaves an install behind, half done
+        INSTALL["proc"].wait()
+
+
+@pytest.fixture(scope="session")
+def servers_installed():
+    """Waits for --install-servers' install (nothing without it); a failed install fails every test that asked."""
+    if "proc" in INSTALL and INSTALL["proc"].wait() != 0:
+        tail = open(INSTALL["log"], errors="replace").read()[-3000:]
+        pytest.fail(f"the server install failed (exit code {INSTALL['proc'].returncode}); {INSTALL['log']}:\n{tail}")
 
 
 @pytest.fixture(scope="session")

@@ -439,14 +439,21 @@ def test_server_that_dies_at_start_or_never_gets_healthy(tmp_path):
 # ---- (b) vLLM for real, on CPU ----
 
 VLLM_PYTHON = os.environ.get("NANOMOLT_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
-needs_vllm = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON),
-                                reason=f"vLLM not installed at {VLLM_PYTHON}: run tests/install_vllm.sh")
+needs_vllm = pytest.mark.usefixtures("vllm_installed")
+
+
+@pytest.fixture(scope="session")
+def vllm_installed(servers_installed):  # checked when the test runs: --install-servers may be installing it meanwhile
+    if not os.path.exists(VLLM_PYTHON):
+        pytest.skip(f"vLLM not installed at {VLLM_PYTHON}: run tests/install_vllm.sh (or pytest --install-servers)")
+
+
 # vLLM 0.32 on CPU serves the tiny MoE correctly, but its in-place weight reload corrupts the CPU-prepacked
 # expert weights (outputs match neither the old nor the new weights); these tests use a dense tiny Qwen3.
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory, tok_dir, tok):
+def vllm_server(vllm_installed, tmp_path_factory, tok_dir, tok):
     out = tmp_path_factory.mktemp("vllm")
     cfg = config.load([f"--out_dir={out}", "--engine=vllm", f"--server_python={VLLM_PYTHON}",
                        "--server_args=--enforce-eager", "--engine_max_len=256", "--server_timeout=300"])
@@ -640,7 +647,7 @@ SGLANG = {"cpu": dict(args="--device cpu --attention-backend torch_native --disa
 
 def sglang_skip(device):
     if not os.path.exists(SGLANG_PYTHON):
-        return f"sglang not installed at {SGLANG_PYTHON}: run tests/install_sglang.sh"
+        return f"sglang not installed at {SGLANG_PYTHON}: run tests/install_sglang.sh (or pytest --install-servers)"
     if device == "cpu" and not os.path.exists(os.path.join(os.path.dirname(SGLANG_PYTHON), "..", ".nanomolt-patched")):
         return "the CPU variant needs the venv of tests/install_sglang.sh (its routed-experts patch for CPU)"
     if device == "cuda" and not torch.cuda.is_available():
@@ -648,9 +655,10 @@ def sglang_skip(device):
     return None
 
 
-def on(device):  # a test parameter for a device, skipped with the reason when it cannot run here
-    return pytest.param(device, marks=pytest.mark.skipif(sglang_skip(device) is not None,
-                                                         reason=sglang_skip(device) or ""))
+@pytest.fixture
+def sglang_device(request, servers_installed):  # the parameter "device", skipped with the reason if it cannot run here
+    if reason := sglang_skip(request.getfixturevalue("device")):
+        pytest.skip(reason)
 
 
 def sglang_flags(device, out, extra=()):
@@ -661,7 +669,7 @@ def sglang_flags(device, out, extra=()):
 
 @pytest.fixture(scope="module", params=[(e, d) for d in ("cpu", "cuda") for e in (0, 4)],
                 ids=lambda p: f"{p[1]}-{'moe' if p[0] else 'dense'}")
-def sglang_server(request, tmp_path_factory, tok_dir, tok):
+def sglang_server(request, servers_installed, tmp_path_factory, tok_dir, tok):
     experts, device = request.param
     if sglang_skip(device):
         pytest.skip(sglang_skip(device))
@@ -794,7 +802,8 @@ def test_killed_sglang_server_is_a_clear_error(sglang_server, tok):  # last: it 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", [on("cpu"), on("cuda")])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.usefixtures("sglang_device")
 def test_sticky_routing_keeps_each_episodes_prefix_in_its_servers_radix_cache(tmp_path, tok, tok_dir, device):
     """Two real SGLang servers, 16 three-turn episodes at once, by the servers' own counts (meta_info.cached_tokens):
     with every call of an episode on one server, its later turns find the conversation so far in that server's radix
@@ -834,7 +843,8 @@ def test_sticky_routing_keeps_each_episodes_prefix_in_its_servers_radix_cache(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", [on("cpu"), on("cuda")])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.usefixtures("sglang_device")
 def test_train_loop_against_sglang_moe(tmp_path, device):
     """The whole async loop with engine=sglang on the tiny MoE, on-policy: every step broadcasts new weights
     to the server; every trained token was sampled by it under the weights that train it, with the experts
