@@ -656,8 +656,8 @@ def sglang_skip(device):
 
 
 @pytest.fixture
-def sglang_device(request, servers_installed):  # the parameter "device", skipped with the reason if it cannot run here
-    if reason := sglang_skip(request.getfixturevalue("device")):
+def sglang_device(device, servers_installed):  # the parameter "device", skipped with the reason if it cannot run here
+    if reason := sglang_skip(device):
         pytest.skip(reason)
 
 
