@@ -436,6 +436,19 @@ def test_server_that_dies_at_start_or_never_gets_healthy(tmp_path):
     assert time.monotonic() - t0 < 20  # and the stuck process was killed, not waited for
 
 
+def test_a_server_port_is_never_one_the_os_hands_to_outgoing_connections(tmp_path):
+    """Two SGLang servers starting at once: a port picked from the OS's ephemeral range and released can be taken by
+    one of the other server's outgoing connections before this one binds it ('address already in use', seen in CI)."""
+    record = fake_interpreter(tmp_path, f"echo \"$@\" >> {tmp_path}/argv\nexit 3\n")
+    cfg = config.load([f"--out_dir={tmp_path}", "--engine=sglang", f"--server_python={record}"])
+    for k in range(3):
+        with pytest.raises(ServerError, match="exited with code 3"):
+            start_server("sglang", str(tmp_path), cfg, str(tmp_path / f"{k}.log"))
+    low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = [int(line.split("--port ")[1].split()[0]) for line in (tmp_path / "argv").read_text().splitlines()]
+    assert len(ports) == 3 and not any(low <= p <= high for p in ports), (ports, low, high)
+
+
 # ---- (b) vLLM for real, on CPU ----
 
 VLLM_PYTHON = os.environ.get("NANOMOLT_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
