@@ -913,9 +913,9 @@ def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
 
 def start_server(kind, model_dir, cfg, log, moe=False):
     """Start a server (its own process group: see stop_server), output to `log`; wait until healthy -> (process, url)"""
-    for port in np.random.default_rng().permutation(range(20000, 32768))[:64].tolist():  # a free port, below Linux's
-        with socket.socket() as s, contextlib.suppress(OSError):  # ephemeral ones (32768-60999): released, one of
-            s.bind(("127.0.0.1", port))  # those can go to another process's connection before the server binds it
+    for port in np.random.default_rng().choice(range(20000, 32768), 64, replace=False).tolist():  # a free port
+        with socket.socket() as s, contextlib.suppress(OSError):  # below Linux's ephemeral range (32768-60999): one
+            s.bind(("127.0.0.1", port))  # from there, once released, can go to another process's outgoing connection
             break
     argv, env = SERVERS[kind]["command"](model_dir, port, cfg, moe)
     print(f"starting the {kind} server (log: {log}; server_timeout={cfg.server_timeout:.0f}s)", flush=True)

@@ -438,7 +438,7 @@ def test_server_that_dies_at_start_or_never_gets_healthy(tmp_path):
 
 def test_a_server_port_is_never_one_the_os_hands_to_outgoing_connections(tmp_path):
     """Two SGLang servers starting at once: a port picked from the OS's ephemeral range and released can be taken by
-    one of the other server's outgoing connections before this one binds it ('address already in use', seen in CI)."""
+    one of the other server's outgoing connections before this one binds it ('address already in use', seen here)."""
     record = fake_interpreter(tmp_path, f"echo \"$@\" >> {tmp_path}/argv\nexit 3\n")
     cfg = config.load([f"--out_dir={tmp_path}", "--engine=sglang", f"--server_python={record}"])
     for k in range(3):
