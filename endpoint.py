@@ -2,17 +2,23 @@
 server per rollout process, in its loop; each episode's base URL is http://127.0.0.1:PORT/ep/<id>/v1. Chat messages
 are rendered with the chat template (/v1/completions takes text or token ids); when the prompt starts with a
 segment's so far (prompts as rendered, completions as sampled), its ids are kept and only the rest is tokenized.
-Else (Qwen3 drops earlier <think> blocks, the agent edits its history) a new segment, one more trained episode."""
+Else (Qwen3 drops earlier <think> blocks, the agent edits its history) a new segment, one more trained episode.
+Images come as OpenAI image_url content parts with data: URLs; each becomes its run of <|image_pad|> placeholders."""
 import asyncio
+import base64
 import functools
 import hmac
+import io
 import json
 import re
 import secrets
 import time
 import weakref
 
+import numpy as np
+import torch
 from aiohttp import web
+from PIL import Image
 
 import agent as agent_mod
 
@@ -20,6 +26,7 @@ TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.S)  # the Qwen 
 # the engine has no penalties, seed, logprobs, n > 1: a request may set them only to values that change nothing
 FIXED = {"n": 1, "best_of": 1, "stream": False, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
          "logit_bias": {}, "logprobs": False, "top_logprobs": 0, "seed": None}
+MAX_PIXELS = 1 << 24  # an image's pixels, as sent and after resizing (Qwen3-VL's processor's longest_edge)
 
 
 async def serve(tokenizer, sampling: dict, stop_ids, model: str = "policy") -> dict:
@@ -94,7 +101,7 @@ def _error(message, param=None, code=None, http=web.HTTPBadRequest):
     return http(text=json.dumps({"error": error}), content_type="application/json")
 
 
-async def _sample(server, llm, body, text, ids=None):
+async def _sample(server, llm, body, text, ids=None, images=()):
     """Sample after the longest segment the prompt (text, or token ids when given) extends, else in a new segment; the
     record changes only once the engine answered. -> (text sampled up to a stop string, finish_reason, usage, ids)"""
     tok = server["tok"]
@@ -106,10 +113,11 @@ async def _sample(server, llm, body, text, ids=None):
         raise _error("stop must be a string or a list of non-empty strings", "stop")
     # the longest segment the prompt extends (as text, or as ids); its ids stay, only the rest is tokenized
     p, kind = (text, "text") if ids is None else (ids, "ids")
-    seg = max((s for s in llm.segs if p[:len(s[kind])] == s[kind]), key=lambda s: len(s[kind]), default=None)
+    seg = max((s for s in llm.segs if p[:len(s[kind])] == s[kind] and all(map(torch.equal, s["ep"].images, images))),
+              key=lambda s: len(s[kind]), default=None)  # (and the images it has, the prompt's first ones)
     if ids is None:
         ids = (seg["ids"] if seg else []) + tok.encode(text[len(seg["text"]) if seg else 0:], add_special_tokens=False)
-    c = await llm.generate(ids, max_new)
+    c = await llm.generate(ids, max_new, images)
     sampled = tok.decode(c.ids)
     cut = min((sampled.index(s) for s in stop if s in sampled), default=None)
     if cut is not None:  # a stop string ends the turn: the tokens after the one that completes it were never shown
@@ -124,6 +132,7 @@ async def _sample(server, llm, body, text, ids=None):
     if seg is None:
         llm.segs.append(seg := {"ep": (ep := agent_mod.Episode()), "ids": ep.ids, "calls": [], "text": ""})
     seg["ep"].append(ids[len(seg["ids"]):])  # seg["ids"] is seg["ep"].ids: Episode appends in place
+    seg["ep"].images += images[len(seg["ep"].images):]  # the pixels the engine saw
     seg["ep"].append_completion(c)
     seg["calls"].append(llm.calls[-1])
     seg["text"] = (text or tok.decode(ids)) + sampled[:cut]
@@ -135,15 +144,16 @@ async def _sample(server, llm, body, text, ids=None):
 async def _chat(server, llm, body):
     """One chat turn: the messages rendered with the chat template (with tools), sampled, tool calls parsed."""
     tok, msgs, tools = server["tok"], body.get("messages"), body.get("tools")
-    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                         and isinstance(m.get("content") or "", str) for m in msgs):
-        raise _error("messages must be a non-empty list of objects with a role and text content", "messages")
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and
+                                                         isinstance(m.get("content") or "", (str, list)) for m in msgs):
+        raise _error("messages must be a non-empty list of objects with a role and content", "messages")
     msgs = [dict(m, content=m.get("content") or "") for m in msgs]  # templates want a string, also with tool calls
+    images = [_content(server, llm, m, f"messages[{i}].content") for i, m in enumerate(msgs)]
     try:
         text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template's error (jinja's, a bad tool's) is the request's, not the rollout's
         raise _error(f"the chat template cannot render these messages: {e}", "messages") from e
-    content, finish, usage, ids = await _sample(server, llm, body, text)
+    content, finish, usage, ids = await _sample(server, llm, body, text, images=sum(images, []))
     end = tok.decode(ids[-1:]) if ids[-1:] and ids[-1] in server["stop"] else ""  # the engine stopped on it
     msg = {"role": "assistant", "content": (content := content.removesuffix(end))}
     if tools and "<tool_call>" in content:
@@ -163,6 +173,39 @@ async def _complete(server, llm, body):
         raise _error(f"prompt must be a non-empty string or list of token ids in [0, {n}), one prompt", "prompt")
     text, finish, usage, ids = await _sample(server, llm, body, *((p, None) if isinstance(p, str) else ("", p)))
     return "text_completion", {"text": text, "token_ids": ids, "finish_reason": finish}, usage
+
+
+def _content(server, llm, msg, where):
+    """msg's content parts -> its text (an image: <|image_pad|> per token, in <|vision_start|> ... <|vision_end|> where
+    the vocabulary has them); -> its images, (3, H, W) in [0, 1], resized as Qwen3-VL's processor (smart_resize)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # slow to import: not at start
+    images, text, tok, c = [], "", server["tok"], getattr(llm.engine, "c", None)  # c: the torch engine's model
+    parts = msg["content"] if isinstance(msg["content"], list) else [{"type": "text", "text": msg["content"]}]
+    for j, part in enumerate(p if isinstance(p, dict) else {} for p in parts):
+        at, url = f"{where}[{j}]", part["image_url"].get("url") if isinstance(part.get("image_url"), dict) else None
+        if part.get("type") == "text" and isinstance(part.get("text"), str):
+            text += part["text"]
+            continue
+        if not (part.get("type") == "image_url" and isinstance(url, str) and url.startswith("data:")):
+            raise _error(f"{at}: a part is {{'type': 'text', 'text': ...}} or {{'type': 'image_url', 'image_url': "
+                         "{'url': 'data:image/png;base64,...'}} (only data: URLs: a rollout has no network)", at)
+        if not (c and c.vision):
+            raise _error(f"{at}: an image, but the engine's model has no vision tower (servers take none yet)", at)
+        f = c.vision["patch_size"] * c.vision["spatial_merge_size"]
+        try:
+            data = base64.b64decode(re.fullmatch(r"data:image/(?:png|jpeg);base64,(.*)", url, re.S)[1], validate=True)
+            img = Image.open(io.BytesIO(data), formats=["PNG", "JPEG"])
+            if img.width * img.height > MAX_PIXELS:
+                raise _error(f"{at}: an image of {img.width}x{img.height} pixels is over {MAX_PIXELS}", at)
+            H, W = smart_resize(img.height, img.width, factor=f, min_pixels=f * f, max_pixels=MAX_PIXELS)
+            pixels = torch.tensor(np.asarray(img.convert("RGB").resize((W, H), Image.BICUBIC)))  # (H, W, 3) uint8
+        except (TypeError, ValueError, OSError, Image.DecompressionBombError) as e:  # no match, ...
+            raise _error(f"{at}: not a PNG or JPEG data: URL (data:image/png;base64,...): {e}", at) from None
+        images.append(pixels.permute(2, 0, 1) / 255)
+        pad = tok.convert_ids_to_tokens(c.image_token_id) * int(np.prod(c.grid(images[-1])))
+        text += f"<|vision_start|>{pad}<|vision_end|>" if "<|vision_start|>" in tok.get_vocab() else pad
+    msg["content"] = text
+    return images
 
 
 def _tool_calls(text):

@@ -1,5 +1,7 @@
 """Images through model, engine, agent and trainer: splicing, text-only parity, mismatch, replay, bad input."""
 import asyncio
+import base64
+import io
 import json
 import os
 import subprocess
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 import agent
+import endpoint
 from model_moe import ModelConfig, Transformer
 from rollout import Policy, TorchEngine, check_images, check_tokens, episode_to_msg
 
@@ -253,6 +256,77 @@ def test_bad_images_are_clear_errors_at_the_agent(tok):
         with pytest.raises(ValueError, match=r"image 0: .*, the model takes float \(3, H, W\)"):
             gen(pad + prompt, [bad])
     assert not engine.waiting and engine.tokens_generated == 0
+
+
+# ---- chat agents: OpenAI image_url content parts through the endpoint ----
+
+def data_url(img, fmt="PNG"):
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_two_turn_chat_with_an_image_in_each_turn_is_token_exact(tok):
+    """The official openai client sends a PNG, then (after the model's reply) a JPEG of another size that the
+    processor's rounding resizes: one segment, every sampled id trained once, the pixels the engine saw recorded."""
+    import numpy as np
+    import openai
+    from PIL import Image
+    from test_endpoint import chat_episode
+    rng = np.random.default_rng(0)
+    png, jpeg = (Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(16, 16), (20, 12)])
+
+    async def two_turns(client, llm):
+        msgs = []
+        for text, url in [("How many squares?", data_url(png)), ("And now?", data_url(jpeg, "JPEG"))]:
+            msgs.append({"role": "user", "content": [{"type": "text", "text": text},
+                                                     {"type": "image_url", "image_url": {"url": url}}]})
+            r = await client.chat.completions.create(model=llm.model, messages=msgs)
+            msgs.append(r.choices[0].message.model_dump(exclude_none=True))
+        errors = {}
+        for name, part in [("remote", {"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}),
+                           ("base64", {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}),
+                           ("gif", {"type": "image_url", "image_url": {"url": data_url(png, "GIF")}}),
+                           ("huge", {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (4097, 4097)))}}),
+                           ("part", {"type": "video", "video": "x"}),
+                           ("string", {"type": "image_url", "image_url": data_url(png)})]:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(model=llm.model, messages=msgs + [
+                    {"role": "user", "content": [{"type": "text", "text": "x"}, part]}])
+            errors[name] = e.value.body
+        return errors
+    engine = engine_for(tok, count_model(tok, 6))
+    llm, errors = chat_episode(engine, tok, two_turns, stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+    for name, words in [("remote", "only data: URLs"), ("base64", "not a PNG or JPEG"), ("gif", "not a PNG or JPEG"),
+                        ("huge", "4097x4097 pixels is over"), ("part", "a part is {'type': 'text'"),
+                        ("string", "a part is {'type': 'text'")]:
+        assert errors[name]["param"] == "messages[4].content[1]" and words in errors[name]["message"], errors[name]
+    [(ep, calls)] = endpoint.segments(llm, 1.0)  # the refused calls left no trace
+    engine_ids = check_tokens(ep, calls)[-1]
+    assert len(calls) == 2 and torch.equal(torch.tensor(ep.ids)[torch.tensor(ep.loss_mask).bool()], engine_ids)
+    assert [tuple(im.shape) for im in ep.images] == [(3, 16, 16), (3, 16, 16)]  # 20 x 12 rounds to 16 x 16
+    assert torch.equal(ep.images[0], torch.tensor(np.asarray(png)).permute(2, 0, 1) / 255)
+    assert ep.ids.count(tok.convert_tokens_to_ids(agent.IMAGE_PAD)) == 8
+    with torch.no_grad():  # the trainer's recompute on the recorded pixels is the engine's sampling
+        logp = engine.model(torch.tensor([ep.ids]), images=ep.images)[0, :-1].log_softmax(-1)
+    logp = logp.gather(-1, torch.tensor(ep.ids[1:])[:, None])[:, 0]
+    at = torch.tensor(ep.loss_mask[1:]).bool()
+    rollout_logp = torch.tensor(check_tokens(ep, calls)[0][1:])
+    assert (logp - rollout_logp)[at].abs().max() <= 1e-5
+
+
+def test_an_image_for_a_text_only_model_is_a_400(tok):
+    import openai
+    from PIL import Image
+    from test_endpoint import chat_episode, dense_engine
+
+    async def one(client, llm):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (8, 8)))}}]}])
+        return e.value.body
+    _, error = chat_episode(dense_engine(tok), tok, one)
+    assert error["param"] == "messages[0].content[0]" and "no vision tower" in error["message"]
 
 
 @pytest.mark.slow
