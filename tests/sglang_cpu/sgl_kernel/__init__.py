@@ -8,6 +8,16 @@ server's PYTHONPATH.
 """
 import ctypes
 
+import torch
+
+# Bound (not called) at import by sglang/srt/models/qwen3_5.py on any CPU, which the Qwen-VL image processor imports:
+# declared without a kernel, so the import succeeds and a call raises. Not convert_weight_packed: with it sglang
+# would take its AMX paths (cpu_has_amx_support), whose ops this stand-in does not have.
+_LIB = torch.library.Library("sgl_kernel", "DEF")
+for _name in ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu",
+              "fused_qkvzba_split_reshape_cat_contiguous_cpu"):
+    _LIB.define(f"{_name}(Tensor x) -> Tensor")
+
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
     """Row i of the batch: req_to_token[req_pool_indices[i], start[i]:end[i]] = its slice of out_cache_loc,
