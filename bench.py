@@ -69,7 +69,8 @@ def bench_trl():
     steps, warm = (4, 1) if args.quick else (300, 20)
     init = train.tiny_init(config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}"]), 0, False)  # train.py's own
     job = [*ARITH, f"--model={init}", f"--max_steps={steps}", "--eval_every=0"]  # TRL evaluates nothing either
-    runs = {"TRL": run_train(job, cmd=(args.trl_python, "tests/trl_arith.py")), "nanomolt": run_train(job)}
+    runs = {"TRL": run_train(job, cmd=(args.trl_python, "tests/trl_arith.py")), "nanomolt": run_train(job),
+            "nanomolt --compile": run_train([*job, "--compile=true"])}  # its first steps compile (not in the rates)
     rate = {k: (len(ms) - warm) / sum(m["time/step"] for m in ms[warm:]) for k, ms in runs.items()}
     table(f"nanomolt train.py vs TRL {runs['TRL'][0]['trl_version']} GRPOTrainer: {' '.join(ARITH)}, 8 x 8 episodes a "
           f"step, {steps} steps, rates after step {warm}", ["", "steps/s", "episodes/s", "ratio to TRL", "reward, last "

@@ -26,6 +26,7 @@ class Config:
     model: str = "tiny"  # HF dir (Qwen3, Qwen3-MoE, Llama, Qwen2), a .gguf file, or "tiny": a small MoE from scratch
     dtype: str = "float32"  # compute dtype (trainer and engine): float32 or bfloat16; master weights stay float32
     reshard_after_forward: str = "auto"  # FSDP2: free gathered weights after forward (true, false; auto: on GPUs)
+    compile: bool = False  # torch.compile the trainer's policy forward (MoE layers eager); its first steps compile
     activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, more compute
     cpu_offload: bool = False  # FSDP2 (GPUs): parameters, gradients, optimizer state in CPU memory between uses
     tiny_layers: int = 4  # tiny model: decoder layers

@@ -215,6 +215,7 @@ class MoE(nn.Module):
         self.gate = nn.Linear(H, E, bias=False)  # the router
         self.w_gate, self.w_up, self.w_down = (nn.Parameter(torch.empty(E, *s)) for s in ((I, H), (I, H), (H, I)))
 
+    @torch.compiler.disable  # under torch.compile (train.py's compile): CPU's grouped_mm traces only in bfloat16
     def forward(self, x, replay=None, aux_mask=None):
         """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: tokens aux_loss counts (None: all)."""
         shape = x.shape

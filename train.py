@@ -161,6 +161,8 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, crit
         model = adapt(Transformer.from_pretrained(path, device=device))
         model.load_state_dict(adapters or {}, strict=False)
     model.checkpointing = cfg.activation_checkpointing and not frozen
+    if cfg.compile and not frozen:  # fuses the element-wise work between matmuls: ~15% of a tiny step
+        model.forward = torch.compile(model.forward)
     for name, p in model.named_parameters():  # LoRA: the base frozen (no gradient, no optimizer state)
         p.requires_grad_(not frozen and (not targets or ".lora_" in name))
     return model

@@ -136,6 +136,32 @@ def test_async_run_bounds_staleness_and_matches_current_tokens(tmp_path):
 
 
 @pytest.mark.slow
+def test_compile_gives_the_eager_loss_and_gradients(tmp_path):
+    """compile=True: the policy's forward is torch.compile'd (graphs are compiled; the MoE layers run eager inside
+    them), and its loss and gradients on a batch with replayed experts equal the eager model's (float32)."""
+    import config
+    import train
+    from torch._dynamo.utils import counters
+    cfg = config.load([f"--out_dir={tmp_path}", "--compile=true"])
+    path, g = train.tiny_init(cfg, 0, False), torch.Generator().manual_seed(0)
+    ids, mask = torch.randint(0, 384, (8, 12), generator=g), (torch.arange(12) >= 8).long().expand(8, 12)
+    b = train.collate([{"ids": ids[i], "loss_mask": mask[i], "versions": torch.zeros(12, dtype=torch.long),
+                        "logprobs": -torch.rand(12, generator=g), "routing": torch.randint(0, 8, (12, 4, 2), generator=g),
+                        "engine_ids": ids[i][8:], "index": i} for i in range(8)], torch.device("cpu"))
+    grads, losses, graphs = [], [], counters["stats"]["unique_graphs"]
+    for compiled in (False, True):
+        model = train.build_model(cfg if compiled else config.load([f"--out_dir={tmp_path}"]), 0, torch.device("cpu"),
+                                  False, path)
+        loss, _, _ = train.micro_loss(model, dict(b), cfg, (32.0, 8.0), torch.randn(8, generator=g.manual_seed(1)), 1)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    assert counters["stats"]["unique_graphs"] > graphs  # it did compile
+    assert abs(losses[0] - losses[1]) <= 1e-6 and losses[0] != 0
+    assert all((grads[0][k] - grads[1][k]).abs().max() <= 1e-5 for k in grads[0])
+    assert grads[1]["model.layers.0.mlp.gate.weight"].abs().sum() > 0  # the eager MoE's router got its gradient
+
+
 def test_short_run_reward_rises(tmp_path):
     r = run_train(tmp_path, "--max_staleness=0", "--prompts_per_step=8", "--max_steps=60")
     assert r.returncode == 0, r.stderr[-3000:]
