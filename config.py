@@ -26,6 +26,7 @@ class Config:
     model: str = "tiny"  # HF dir (Qwen3, Qwen3-MoE, Llama, Qwen2), a .gguf file, or "tiny": a small MoE from scratch
     dtype: str = "float32"  # compute dtype (trainer and engine): float32 or bfloat16; master weights stay float32
     reshard_after_forward: str = "auto"  # FSDP2: free gathered weights after forward (true, false; auto: on GPUs)
+    cpu_threads: int = 0  # CPU: each trainer rank's torch threads; 0 = cores // (ranks + 1), one share to the rollout
     compile: bool = False  # torch.compile the trainer's policy forward (MoE layers eager); its first steps compile
     activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, more compute
     cpu_offload: bool = False  # FSDP2 (GPUs): parameters, gradients, optimizer state in CPU memory between uses
@@ -131,7 +132,7 @@ class Config:
             ("tiny_top_k", self.tiny_experts == 0 or 1 <= self.tiny_top_k <= self.tiny_experts,
              f"must be in 1..tiny_experts ({self.tiny_experts})"),
             *((key, getattr(self, key) >= 0, "must be >= 0") for key in
-              ("max_staleness", "lora_rank", "eval_every", "eval_temperature")),
+              ("max_staleness", "lora_rank", "eval_every", "eval_temperature", "cpu_threads")),
             *((key, getattr(self, key) >= 1, "must be >= 1") for key in
               ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns",
                "eval_prompts", "eval_samples")),

@@ -152,12 +152,13 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k, v = q.to(cos.dtype), k.to(cos.dtype), v.to(cos.dtype)  # cos: attention's dtype (Transformer.forward)
         # RoPE, rotate-half as in the checkpoints: t * cos + cat(-t2, t1) * sin; sin comes signed, so one flip swaps
         q, k = (t * cos + t.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin for t in (q, k))
         if cache is not None:  # write this call's keys at their positions, attend over the slot's history
             k, v = cache(k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
 class MLP(nn.Module):
@@ -360,10 +361,11 @@ class Transformer(nn.Module):
         axes = torch.where(j < 3 * torch.tensor(c.mrope_section)[j % 3], j % 3, 0) if c.vision else j * 0
         freqs = pos[axes].permute(1, 2, 0)[:, None].float() * inv_freq(c, ids.device)  # (B, 1, T, hd/2)
         cos, sin = freqs.cos(), freqs.sin()
-        cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)  # (B, 1, T, hd)
+        dt = torch.float32 if ids.is_cpu else x.dtype  # attention's: on CPU SDPA's bf16 backward takes 5x its fp32 one
+        cos, sin = torch.cat((cos, cos), -1).to(dt), torch.cat((-sin, sin), -1).to(dt)  # (B, 1, T, hd)
         if cache is not None:
             n_keys, kv = cache.bind(slots, positions)
-            mask = torch.zeros(B, T, n_keys, dtype=x.dtype, device=ids.device).masked_fill_(  # (B, T, n_keys)
+            mask = torch.zeros(B, T, n_keys, dtype=dt, device=ids.device).masked_fill_(  # (B, T, n_keys)
                 torch.arange(n_keys, device=ids.device) > positions[..., None], -torch.inf)  # additive
         else:
             mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril().expand(B, T, T)

@@ -65,8 +65,8 @@ def full_state(model, fsdp, changed=False, merged=True):
     merged=False; an empty dict on other ranks. changed: only the layers LoRA adapts (nothing else changes)."""
     lora = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     sd = {k: v for k, v in model.state_dict(keep_vars=True).items() if not changed or k.rpartition(".")[0] in lora}
-    if fsdp:  # one all-gather of every rank's shard, flat (one per tensor costs ~0.7 ms each on gloo), each padded to
-        # ceil(len / world) rows: FSDP2 splits dim 0 as torch.chunk, so only the last rank with rows may hold fewer
+    if fsdp and dist.get_world_size() > 1:  # one all-gather of all shards, flat (one per tensor: ~0.7 ms on gloo),
+        # each padded to ceil(len / world) rows: FSDP2 splits dim 0 as torch.chunk, so only the last ranks hold fewer
         world, unique = dist.get_world_size(), {id(v): v for v in sd.values()}  # a tied weight once
         n = {i: -(-len(v) // world) * math.prod(v.shape[1:]) for i, v in unique.items()}  # elements each rank sends
         flat = torch.cat([torch.nn.functional.pad(t := v.to_local().detach().flatten(), (0, n[i] - len(t)))
@@ -77,7 +77,7 @@ def full_state(model, fsdp, changed=False, merged=True):
             return {}
         parts = dict(zip(unique, out.cpu().view(world, -1).split(list(n.values()), 1)))  # (world, n[i]): rank r's row r
         sd = {k: parts[id(v)].flatten()[:v.numel()].view(v.shape) for k, v in sd.items()}
-    sd = {k: v.detach().cpu() for k, v in sd.items()}
+    sd = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu() for k, v in sd.items()}  # a group of one
     return merge_lora(model, sd)[0] if merged else sd
 
 # ---- the policy ----
@@ -563,10 +563,9 @@ def take_batch(cfg, ro, version, counters):
 
 def main(argv=None):
     """The run, top to bottom, each step as the module docstring says. Two kinds of process: this trainer (one per rank
-    under torchrun) and, beside rank 0, the rollout process, whose engine keeps sampling the agents' episodes (async RL)
-    with the latest weights it was handed. Rank 0 deals each rank its share; every rank recomputes with the engine's
-    routing and filter, so the difference to the engine's logprobs is only the weights' age (mismatch/). An evaluation
-    every eval_every steps; a signal, or the rollout process dying, ends the loop at a step boundary, checkpointed."""
+    under torchrun) and, beside rank 0, the rollout process, whose engine keeps sampling episodes with the weights it
+    was handed last (async RL). Every rank gets the batch from rank 0, deals itself its share and recomputes with the
+    engine's routing and filter. A signal, or the rollout process dying, ends the loop at a step's end, checkpointed."""
     cfg = config.load(argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name, at=time.monotonic()))
@@ -574,7 +573,8 @@ def main(argv=None):
         agent.load_task_file(path)  # a malformed line stops the run here, naming file and line
     check_out_dir(cfg)  # on every rank, before anything is written
     rank, world, device, fsdp = compute_init(cfg)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)) if device.type == "cpu" else 8)
+    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // (world + 1))  # the rollout process takes one
+    torch.set_num_threads(threads if device.type == "cpu" else 8)
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed + rank)
     say = lambda *a: print(*a, flush=True) if rank == 0 else None  # every long wait says what it is
