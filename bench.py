@@ -79,7 +79,7 @@ def bench_trl():
 
 
 BENCHES = {"fixed": bench_fixed, "trl": bench_trl, "checkpointing": bench_checkpointing}
-if __name__ == "__main__":  # not in a rollout process a section spawns
+if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="nanomolt benchmarks: measured, baseline and ratio of each README number")
     ap.add_argument("section", choices=[*BENCHES, "all"], help="what to measure")
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer steps")
