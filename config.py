@@ -27,7 +27,7 @@ class Config:
     dtype: str = "float32"  # compute dtype (trainer and engine): float32 or bfloat16; master weights stay float32
     reshard_after_forward: str = "auto"  # FSDP2: free gathered weights after forward (true, false; auto: on GPUs)
     cpu_threads: int = 0  # CPU: each trainer rank's torch threads; 0 = cores // (ranks + 1), one share to the rollout
-    compile: bool = False  # torch.compile the trainer's policy forward (MoE layers eager); its first steps compile
+    compile: bool = False  # torch.compile the trained models' forward (policy, critic; MoE layers eager)
     activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, more compute
     cpu_offload: bool = False  # FSDP2 (GPUs): parameters, gradients, optimizer state in CPU memory between uses
     tiny_layers: int = 4  # tiny model: decoder layers
