@@ -303,7 +303,7 @@ def patches(images, v):
         x = ((im - 0.5) / 0.5).reshape(len(im), im.shape[1] // p // m, m, p, im.shape[2] // p // m, m, p)
         x = x.permute(1, 4, 2, 5, 0, 3, 6).unsqueeze(-3)
         rows.append(x.expand(*x.shape[:5], T, p, p).reshape(-1, len(im) * T * p * p))
-    return torch.cat(rows), torch.tensor([[1, im.shape[1] // p, im.shape[2] // p] for im in images])
+    return torch.cat(rows), torch.tensor([[1, im.shape[1] // p, im.shape[2] // p] for im in images], device=im.device)
 
 
 class Transformer(nn.Module):
@@ -328,7 +328,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             with torch.no_grad():
                 one = name.endswith(("norm.weight", "norm1.weight", "norm2.weight"))  # RMSNorm's and LayerNorm's
-                p.copy_(torch.ones_like(p) if one else torch.randn(p.shape, generator=g) * std)
+                p.copy_(torch.ones_like(p) if one else torch.randn(p.shape, generator=g, device=g.device) * std)
         return self
 
     def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,

@@ -260,7 +260,7 @@ def micro_loss(model, b, cfg, counts, adv, world, critic=None):
     logits, logp = token_logp(model, b, cfg)  # experts replayed
     old = b.get("old_logp", logp.detach())
     A = b.get("advantages", adv[:, None].expand_as(logp))  # (B, T-1): gae's per token, else the episode's
-    gap = torch.zeros(())
+    gap = mask.new_zeros(())  # zeros on the batch's device (a CPU tensor cannot join a GPU one's metrics)
     if "teacher_logp" in b:  # on-policy distillation: per-token advantage log pi_teacher - log pi_old
         A = A + est.distill_advantage(teacher_logp=b["teacher_logp"], old_logp=old, loss_mask=mask)
         gap = ((old - b["teacher_logp"]) * mask).sum()
@@ -278,16 +278,16 @@ def micro_loss(model, b, cfg, counts, adv, world, critic=None):
     loss = est.AGGREGATIONS[cfg.aggregation](per_token=per_tok, loss_mask=mask, num_tokens=max(counts[0], 1),
                                              num_seqs=max(counts[1], 1), norm_const=cfg.max_new_tokens * cfg.max_turns)
     n_real = sum(i >= 0 for i in b["index"])  # (MoE) the load-balancing loss by this micro-batch's share of episodes
-    aux = model.aux_loss * n_real / max(counts[1], 1) if model.aux_loss is not None else torch.zeros(())
+    aux = model.aux_loss * n_real / max(counts[1], 1) if model.aux_loss is not None else mask.new_zeros(())
     v_loss = v_clip = loss.new_zeros(())
     if critic is not None:
         per_v, v_clip = est.value_loss(values=values(critic, b), old_values=b["old_values"], returns=b["returns"],
                                        loss_mask=mask, clip=cfg.value_clip)
         v_loss = est.token_mean(per_token=per_v, loss_mask=mask, num_tokens=max(counts[0], 1))
     n_tok = mask.sum()
-    flips = model.flips if model.flips is not None else torch.zeros(2)
+    flips = model.flips if model.flips is not None else mask.new_zeros(2)
     m = torch.stack([loss.detach(), clip_frac * n_tok, corr_frac * n_tok, ent.detach().sum(),
-                     (kl.detach() * mask).sum(), aux.detach(), gap.to(loss.device), *flips.to(loss.device),
+                     (kl.detach() * mask).sum(), aux.detach(), gap, *flips,
                      v_loss.detach(), v_clip * n_tok])
     # FSDP averages gradients over ranks; the aggregation already divides by the update's counts
     return (loss + cfg.router_aux_coef * aux + v_loss) * world, m, old
@@ -315,7 +315,7 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
     """This rank's share of a step: recompute, then ppo_epochs x mini-batch updates. share: from make_shares.
     critic: (value model, its optimizer), trained beside the policy, with gae (whose "advantages" are the rewards).
     -> (this rank's summed metrics, LOSS_KEYS + CONSISTENCY_KEYS + histogram; max staleness; gradient norms)"""
-    device = next(model.parameters()).device
+    device = torch.device("cuda") if cfg.cpu_offload else next(model.parameters()).device  # offload: on CPU
     batches = [[(collate([m for m, _ in mb] or [EMPTY], device), torch.tensor([a for _, a in mb] or [0.0]).to(device))
                 for mb in mini] for mini in share["mini_batches"]]
     several = cfg.ppo_epochs * len(batches) > 1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU path in one device call of at most 8 minutes (issue 21), run from the repository root:
 #   OUT=/some/dir bash tests/gpu_check.sh [--steps=N] [--run_timeout=SECONDS]
-# (a) tests/test_gpu.py (engine on CUDA, bf16 step with fp32 master weights, mismatch/* in bf16, cpu_offload);
+# (a) tests/test_gpu.py (engine on CUDA, bf16 step with fp32 master weights, mismatch/* in bf16 with activation
+#     checkpointing and compile, cpu_offload, Qwen3-VL(-MoE) against transformers, the image recipe in bf16);
 # (b) train.py for --steps steps on a Qwen3-0.6B-shaped model initialised at random (no download; the tiny
 #     tokenizer's 384 ids are a subset of the 151,936-token vocabulary), one GPU, the embedded engine, bf16;
 # (c) the same run under `torchrun --standalone --nproc_per_node=1` (the NCCL code path with one rank).
@@ -59,7 +60,7 @@ json.dump(info, open(sys.argv[1], "w"))
 EOF
 
 echo "== (a) tests/test_gpu.py"
-timeout 260 python -m pytest -q tests/test_gpu.py --junitxml="$OUT/test_gpu.xml"
+timeout 330 python -m pytest -q tests/test_gpu.py --junitxml="$OUT/test_gpu.xml"
 echo "pytest exit $?"
 
 echo "== the model: Qwen3-0.6B's shapes, random weights, the tiny tokenizer beside them"
