@@ -171,18 +171,17 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, crit
 
 
 def collate(msgs, device):
-    """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k) with -1 padding."""
+    """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k), -1 padded; images, row order."""
+    for m in msgs:  # token identity: we train what was sampled
+        if not torch.equal(m["ids"][m["loss_mask"].bool()], m["engine_ids"]):
+            raise AssertionError(f"episode {m['index']}: trained token ids differ from the engine's sampled ids")
+
     def pad(key, value):
-        return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value)
-    b = {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
-         "rollout_logp": pad("logprobs", 0.0),  # routing: (B, T, L, k) -> (L, B, T, k)
-         "routing": pad("routing", -1).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None}
-    for row, m, msg in zip(b["ids"], b["loss_mask"].bool(), msgs):  # token identity: we train what was sampled
-        if not torch.equal(row[m], msg["engine_ids"]):
-            raise AssertionError(f"episode {msg['index']}: trained token ids differ from the engine's sampled ids")
-    images = [im.to(device) for m in msgs for im in m.get("images") or ()]  # the pixels the engine saw, in row order
-    return {k: (v.to(device) if v is not None else None) for k, v in b.items()} | {"index": [m["index"] for m in msgs],
-                                                                                 "images": images}
+        return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value).to(device)
+    return {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
+            "rollout_logp": pad("logprobs", 0.0),  # routing: (B, T, L, k) -> (L, B, T, k)
+            "routing": pad("routing", -1).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None,
+            "index": [m["index"] for m in msgs], "images": [x.to(device) for m in msgs for x in m.get("images") or ()]}
 
 
 # An empty micro-batch (split_batch) still runs, the reference's forward too, on two untrained tokens: it adds exactly 0
