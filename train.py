@@ -258,11 +258,10 @@ def micro_loss(model, b, cfg, counts, adv, world, critic=None):
     mask = b["loss_mask"][:, 1:]
     logits, logp = token_logp(model, b, cfg)  # experts replayed
     old = b.get("old_logp", logp.detach())
-    A = b.get("advantages", adv[:, None].expand_as(logp))  # (B, T-1): gae's per token, else the episode's
-    gap = mask.new_zeros(())  # zeros on the batch's device (a CPU tensor cannot join a GPU one's metrics)
+    distill = torch.zeros_like(mask)
     if "teacher_logp" in b:  # on-policy distillation: per-token advantage log pi_teacher - log pi_old
-        A = A + est.distill_advantage(teacher_logp=b["teacher_logp"], old_logp=old, loss_mask=mask)
-        gap = ((old - b["teacher_logp"]) * mask).sum()
+        distill = est.distill_advantage(teacher_logp=b["teacher_logp"], old_logp=old, loss_mask=mask)
+    A = b.get("advantages", adv[:, None].expand_as(logp)) + distill  # (B, T-1): gae's per token, else the episode's
     w, corr_frac = est.CORRECTIONS[cfg.correction](old_logp=old, rollout_logp=b["rollout_logp"][:, 1:],
                                                    loss_mask=mask, low=cfg.correction_low, high=cfg.correction_high)
     per_tok, clip_frac = est.POLICY_LOSSES[cfg.policy_loss](logp=logp, old_logp=old, advantages=A, loss_mask=mask,
@@ -286,8 +285,7 @@ def micro_loss(model, b, cfg, counts, adv, world, critic=None):
     n_tok = mask.sum()
     flips = model.flips if model.flips is not None else mask.new_zeros(2)
     m = torch.stack([loss.detach(), clip_frac * n_tok, corr_frac * n_tok, ent.detach().sum(),
-                     (kl.detach() * mask).sum(), aux.detach(), gap, *flips,
-                     v_loss.detach(), v_clip * n_tok])
+                     (kl.detach() * mask).sum(), aux.detach(), -distill.sum(), *flips, v_loss.detach(), v_clip * n_tok])
     # FSDP averages gradients over ranks; the aggregation already divides by the update's counts
     return (loss + cfg.router_aux_coef * aux + v_loss) * world, m, old
 
