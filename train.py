@@ -92,8 +92,7 @@ def latest_checkpoint(cfg):
 def same_architecture(a_dir, b_dir, expected=None):
     """Refuse to continue from weights of another architecture or vocabulary, naming the difference."""
     a, b = ModelConfig.load(a_dir).__dict__, (expected or ModelConfig.load(b_dir)).__dict__
-    diff = [f"{k}: {a[k]} vs {b[k]}" for k in a if k != "max_position_embeddings" and a[k] != b[k]]
-    if diff:
+    if diff := [f"{k}: {a[k]} vs {b[k]}" for k in a if k != "max_position_embeddings" and a[k] != b[k]]:
         raise ValueError(f"{a_dir} does not match {b_dir}: {'; '.join(diff)} (use another out_dir)")
 
 
