@@ -384,7 +384,6 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
     rewards = torch.tensor([m["reward"] for m in episodes])
     tok, n, mm = max(s["tokens"], 1), len(norms), s["mm_tokens"]
     var_ret, var_err = (s[x + "2"] / tok - (s[x] / tok) ** 2 for x in ("ret", "err"))
-    finite = [g for g in norms if math.isfinite(g)]
     return {
         "step": step, "policy_version": step, "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0, "tokens/trained": s["tokens"],
@@ -395,7 +394,7 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
         "loss/kl_ref": s["kl"] / (tok * n), "loss/router_aux": s["router_aux"] / n,
         "loss/distill_reverse_kl": s["distill_gap"] / (tok * n),  # mean log pi - log pi_teacher: 0 at the teacher
         "routing/flip_frac": s["flips"] / s["flip_n"] if s["flip_n"] else None,
-        "grad/norm": sum(finite) / len(finite) if finite else math.nan, "train/updates": n,
+        "grad/norm": torch.tensor(norms, dtype=torch.float64).nanmean().item(), "train/updates": n,  # skipped: nan
         "train/skipped_steps": counters["skipped_steps"], **{f"time/{k}": v for k, v in times.items()},
         "throughput/rollout_tokens_per_s": rollout_rate, "throughput/train_tokens_per_s": s["tokens"] / times["train"],
         "memory/peak_mb": (torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available()  # rank 0's, so far
