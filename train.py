@@ -435,11 +435,11 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp, critic=No
 
 
 def load_trainer_state(saved, model, opt, fsdp, critic=None):
-    """saved: trainer.pt's dict or None -> all but the weights (step, data position, counters); restores opt and rng
-    (and the critic's optimizer; build_model restored its weights)."""
+    """saved: trainer.pt's dict, empty or None for a fresh start -> all but the weights (step, data position, counters);
+    restores opt and rng (and the critic's optimizer; build_model restored its weights)."""
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
     state = {"step": 0, "data_position": 0, "rollout_counts": None}
-    if saved is not None:
+    if saved:
         state |= saved
         state.pop("critic", None)
         for m, o, key in [(model, opt, "optimizer")] + ([(*critic, "critic_optimizer")] if critic else []):
@@ -585,19 +585,18 @@ def main(argv=None):
     if ckpt:
         same_architecture(ckpt, init)
     tokenizer_dir = ckpt or init  # the weights' own tokenizer
-    saved = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if ckpt else None
+    saved = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if ckpt else {}
     say(f"loading the policy from {tokenizer_dir} ({world} rank(s), {device})")
     # LoRA: the initial model as the base, the checkpoint's adapters (its merged weights are for engines, transformers)
     model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir,
-                        adapters=(saved or {}).get("adapters"))
+                        adapters=saved.get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
     adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps,
                                                  fused=True)  # one kernel a tensor: on CPU 4x the per-tensor loops
     opt = None if cfg.eval_only else adamw([p for p in model.parameters() if p.requires_grad], cfg.lr)
-    gae = cfg.advantage == "gae" and not cfg.eval_only  # critic: (the value model, its optimizer)
-    net = gae and build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=(saved or {}).get("critic"),
-                              critic=True)  # (saved: its weights, restored)
+    gae = cfg.advantage == "gae" and not cfg.eval_only  # critic: (the value model, its optimizer); saved: its weights
+    net = gae and build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=saved.get("critic"), critic=True)
     critic = (net, adamw(net.parameters(), cfg.critic_lr)) if gae else None
     state = load_trainer_state(None if cfg.eval_only else saved, model, opt, fsdp, critic)  # what checkpoints carry on
     step, counters = (saved or state)["step"], state["counters"]  # eval_only: the checkpoint's step, no optimizer
