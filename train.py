@@ -478,11 +478,11 @@ class Logger:
         lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
         open(self.path, "w").writelines(x for x in lines if cfg.eval_only or json.loads(x)["step"] <= step)
         with open(os.path.join(os.path.dirname(self.path), "config.json"), "w") as f:  # closed: others read it now
-            json.dump(config.to_dict(cfg), f, indent=2)
+            json.dump(vars(cfg), f, indent=2)
         if cfg.wandb_project:
             import wandb
             run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
-                             resume="allow", config=config.to_dict(cfg), dir=cfg.out_dir)
+                             resume="allow", config=vars(cfg), dir=cfg.out_dir)
             state["wandb_id"], self.to_wandb = run.id, run.log
 
     def log(self, m):
