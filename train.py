@@ -53,8 +53,7 @@ def compute_init(cfg):
         dist.init_process_group(backend)
     elif cfg.dtype != "float32" or cfg.cpu_offload:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    fsdp = dist.is_initialized()
-    return dist.get_rank() if fsdp else 0, dist.get_world_size() if fsdp else 1, device, fsdp
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device, dist.is_initialized()
 
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
