@@ -467,9 +467,9 @@ def check_out_dir(cfg):
 
 
 class Logger:
-    """Each metrics line to <out_dir>/metrics.jsonl (eval_only: eval/metrics.jsonl; read it with plot.py, pandas or any
-    logger) and, with wandb_project, to a W&B run (wandb imported only then): the config once, a resumed run continuing
-    its id (the checkpoints carry it). One console line each: where the run is, its reward, evaluation, speed, ETA."""
+    """Each metrics line to <out_dir>/metrics.jsonl (eval_only: eval/metrics.jsonl; read it with pandas or any logger)
+    and, with wandb_project, to a W&B run (wandb imported only then): the config once, a resumed run continuing its id
+    (the checkpoints carry it). One console line each: where the run is, its reward, evaluation, speed, ETA."""
     def __init__(self, cfg, step, state):
         self.cfg, self.start, self.t0, self.to_wandb = cfg, step, time.perf_counter(), lambda m, step: None
         self.path = os.path.join(cfg.out_dir, "eval" * cfg.eval_only, "metrics.jsonl")
@@ -540,7 +540,7 @@ def take_batch(cfg, ro, version, counters):
         fresh = [m for m in group if version - m["versions"][m["loss_mask"] == 1].min().item() <= cfg.max_staleness]
         counters["dropped_stale"] += len(group) - len(fresh)
         same = cfg.filter_groups and len({m["reward"] for m in fresh}) == 1  # DAPO's dynamic sampling: no signal
-        counters["filtered_groups"] += bool(fresh and same)
+        counters["filtered_groups"] += same  # (an empty group is never `same`: it has no rewards)
         if not fresh or same:  # nothing (informative) left of the group: let the rollout start another
             ro.drop(1)
             filtered += same
