@@ -7,7 +7,7 @@ import re
 import runpy
 import sys
 import types
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -120,7 +120,6 @@ class Config:
     def __post_init__(self):
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
-        self.evaluates = bool(self.eval_every or self.eval_at_start or self.eval_only)
         import estimators  # the variant names live beside the functions
         tables = {"engine": ("torch", "vllm", "sglang"), "weight_sync": ("gloo", "nccl", "disk"),
                   "dtype": ("float32", "bfloat16"), "reshard_after_forward": ("auto", "true", "false"),
@@ -137,7 +136,8 @@ class Config:
               ("group_size", "prompts_per_step", "micro_batch_tokens", "ppo_epochs", "max_failed_groups", "max_turns",
                "eval_prompts", "eval_samples")),
             ("replay", not (self.replay and (self.eval_only or self.eval_at_start)), "has no engine to evaluate with"),
-            ("eval_file", self.eval_file or not (self.evaluates and self.task_file), "must be set with task_file"),
+            ("eval_file", self.eval_file or not self.task_file
+             or not (self.eval_every or self.eval_at_start or self.eval_only), "must be set with task_file"),
             ("mini_batches", 1 <= self.mini_batches <= self.batch_size, f"must be in 1..{self.batch_size}"),
             ("teacher", (self.advantage == "opd") == bool(self.teacher), "is given exactly when advantage=opd"),
             ("critic", self.advantage == "gae" or not self.critic, "is given only with advantage=gae"),
@@ -205,7 +205,3 @@ def load(argv=None):
         else:
             overrides.append((k, v if eq else "true"))  # a bare flag: --resume
     return Config(**values | {k: _coerce(k, v, types_[k], cli=True) for k, v in overrides})  # the command line wins
-
-
-def to_dict(cfg):
-    return asdict(cfg) | {"batch_size": cfg.batch_size}

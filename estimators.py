@@ -30,12 +30,11 @@ def _clamp(log_ratio: Tensor) -> Tensor:
 # rewards, group_ids: [N] (a prompt's episodes share an int id; sizes vary) -> [N], spread over sampled tokens
 def _centre(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Reward minus its group mean, the group's unbiased std (0 for a group of one) and the group's size, each [N]."""
-    ids, idx = torch.unique(group_ids, return_inverse=True)  # idx: [N], dense group index in 0..G-1
-    zeros = rewards.new_zeros(len(ids))  # [G]
+    _, idx, count = torch.unique(group_ids, return_inverse=True, return_counts=True)  # idx: [N] in 0..G-1; count: [G]
+    zeros = rewards.new_zeros(len(count))  # [G]
     # Shift each group by its own max first so an all-equal group is exactly 0 before any sum:
     # 0.1 + 0.1 + 0.1 != 0.3 in floats, and a 1e-9 residue divided by (1e-9 + EPS) is not zero.
     shifted = rewards - zeros.scatter_reduce(0, idx, rewards, "amax", include_self=False)[idx]  # [N], group max 0
-    count = zeros.index_add(0, idx, torch.ones_like(rewards))  # [G]
     dev = shifted - (zeros.index_add(0, idx, shifted) / count)[idx]  # [N]
     return dev, (zeros.index_add(0, idx, dev**2) / (count - 1).clamp(min=1)).sqrt()[idx], count[idx]
 

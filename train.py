@@ -53,8 +53,7 @@ def compute_init(cfg):
         dist.init_process_group(backend)
     elif cfg.dtype != "float32" or cfg.cpu_offload:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    fsdp = dist.is_initialized()
-    return dist.get_rank() if fsdp else 0, dist.get_world_size() if fsdp else 1, device, fsdp
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device, dist.is_initialized()
 
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -92,8 +91,7 @@ def latest_checkpoint(cfg):
 def same_architecture(a_dir, b_dir, expected=None):
     """Refuse to continue from weights of another architecture or vocabulary, naming the difference."""
     a, b = ModelConfig.load(a_dir).__dict__, (expected or ModelConfig.load(b_dir)).__dict__
-    diff = [f"{k}: {a[k]} vs {b[k]}" for k in a if k != "max_position_embeddings" and a[k] != b[k]]
-    if diff:
+    if diff := [f"{k}: {a[k]} vs {b[k]}" for k in a if k != "max_position_embeddings" and a[k] != b[k]]:
         raise ValueError(f"{a_dir} does not match {b_dir}: {'; '.join(diff)} (use another out_dir)")
 
 
@@ -171,18 +169,17 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, crit
 
 
 def collate(msgs, device):
-    """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k) with -1 padding."""
+    """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k), -1 padded; images, row order."""
+    for m in msgs:  # token identity: we train what was sampled
+        if not torch.equal(m["ids"][m["loss_mask"].bool()], m["engine_ids"]):
+            raise AssertionError(f"episode {m['index']}: trained token ids differ from the engine's sampled ids")
+
     def pad(key, value):
-        return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value)
-    b = {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
-         "rollout_logp": pad("logprobs", 0.0),  # routing: (B, T, L, k) -> (L, B, T, k)
-         "routing": pad("routing", -1).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None}
-    for row, m, msg in zip(b["ids"], b["loss_mask"].bool(), msgs):  # token identity: we train what was sampled
-        if not torch.equal(row[m], msg["engine_ids"]):
-            raise AssertionError(f"episode {msg['index']}: trained token ids differ from the engine's sampled ids")
-    images = [im.to(device) for m in msgs for im in m.get("images") or ()]  # the pixels the engine saw, in row order
-    return {k: (v.to(device) if v is not None else None) for k, v in b.items()} | {"index": [m["index"] for m in msgs],
-                                                                                 "images": images}
+        return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value).to(device)
+    return {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
+            "rollout_logp": pad("logprobs", 0.0),  # routing: (B, T, L, k) -> (L, B, T, k)
+            "routing": pad("routing", -1).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None,
+            "index": [m["index"] for m in msgs], "images": [x.to(device) for m in msgs for x in m.get("images") or ()]}
 
 
 # An empty micro-batch (split_batch) still runs, the reference's forward too, on two untrained tokens: it adds exactly 0
@@ -259,11 +256,10 @@ def micro_loss(model, b, cfg, counts, adv, world, critic=None):
     mask = b["loss_mask"][:, 1:]
     logits, logp = token_logp(model, b, cfg)  # experts replayed
     old = b.get("old_logp", logp.detach())
-    A = b.get("advantages", adv[:, None].expand_as(logp))  # (B, T-1): gae's per token, else the episode's
-    gap = mask.new_zeros(())  # zeros on the batch's device (a CPU tensor cannot join a GPU one's metrics)
+    distill = torch.zeros_like(mask)
     if "teacher_logp" in b:  # on-policy distillation: per-token advantage log pi_teacher - log pi_old
-        A = A + est.distill_advantage(teacher_logp=b["teacher_logp"], old_logp=old, loss_mask=mask)
-        gap = ((old - b["teacher_logp"]) * mask).sum()
+        distill = est.distill_advantage(teacher_logp=b["teacher_logp"], old_logp=old, loss_mask=mask)
+    A = b.get("advantages", adv[:, None].expand_as(logp)) + distill  # (B, T-1): gae's per token, else the episode's
     w, corr_frac = est.CORRECTIONS[cfg.correction](old_logp=old, rollout_logp=b["rollout_logp"][:, 1:],
                                                    loss_mask=mask, low=cfg.correction_low, high=cfg.correction_high)
     per_tok, clip_frac = est.POLICY_LOSSES[cfg.policy_loss](logp=logp, old_logp=old, advantages=A, loss_mask=mask,
@@ -287,8 +283,7 @@ def micro_loss(model, b, cfg, counts, adv, world, critic=None):
     n_tok = mask.sum()
     flips = model.flips if model.flips is not None else mask.new_zeros(2)
     m = torch.stack([loss.detach(), clip_frac * n_tok, corr_frac * n_tok, ent.detach().sum(),
-                     (kl.detach() * mask).sum(), aux.detach(), gap, *flips,
-                     v_loss.detach(), v_clip * n_tok])
+                     (kl.detach() * mask).sum(), aux.detach(), -distill.sum(), *flips, v_loss.detach(), v_clip * n_tok])
     # FSDP averages gradients over ranks; the aggregation already divides by the update's counts
     return (loss + cfg.router_aux_coef * aux + v_loss) * world, m, old
 
@@ -388,7 +383,6 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
     rewards = torch.tensor([m["reward"] for m in episodes])
     tok, n, mm = max(s["tokens"], 1), len(norms), s["mm_tokens"]
     var_ret, var_err = (s[x + "2"] / tok - (s[x] / tok) ** 2 for x in ("ret", "err"))
-    finite = [g for g in norms if math.isfinite(g)]
     return {
         "step": step, "policy_version": step, "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0, "tokens/trained": s["tokens"],
@@ -399,7 +393,7 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
         "loss/kl_ref": s["kl"] / (tok * n), "loss/router_aux": s["router_aux"] / n,
         "loss/distill_reverse_kl": s["distill_gap"] / (tok * n),  # mean log pi - log pi_teacher: 0 at the teacher
         "routing/flip_frac": s["flips"] / s["flip_n"] if s["flip_n"] else None,
-        "grad/norm": sum(finite) / len(finite) if finite else math.nan, "train/updates": n,
+        "grad/norm": torch.tensor(norms, dtype=torch.float64).nanmean().item(), "train/updates": n,  # skipped: nan
         "train/skipped_steps": counters["skipped_steps"], **{f"time/{k}": v for k, v in times.items()},
         "throughput/rollout_tokens_per_s": rollout_rate, "throughput/train_tokens_per_s": s["tokens"] / times["train"],
         "memory/peak_mb": (torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available()  # rank 0's, so far
@@ -440,11 +434,11 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp, critic=No
 
 
 def load_trainer_state(saved, model, opt, fsdp, critic=None):
-    """saved: trainer.pt's dict or None -> all but the weights (step, data position, counters); restores opt and rng
-    (and the critic's optimizer; build_model restored its weights)."""
+    """saved: trainer.pt's dict, empty or None for a fresh start -> all but the weights (step, data position, counters);
+    restores opt and rng (and the critic's optimizer; build_model restored its weights)."""
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
     state = {"step": 0, "data_position": 0, "rollout_counts": None}
-    if saved is not None:
+    if saved:
         state |= saved
         state.pop("critic", None)
         for m, o, key in [(model, opt, "optimizer")] + ([(*critic, "critic_optimizer")] if critic else []):
@@ -473,9 +467,9 @@ def check_out_dir(cfg):
 
 
 class Logger:
-    """Each metrics line to <out_dir>/metrics.jsonl (eval_only: eval/metrics.jsonl; read it with plot.py, pandas or any
-    logger) and, with wandb_project, to a W&B run (wandb imported only then): the config once, a resumed run continuing
-    its id (the checkpoints carry it). One console line each: where the run is, its reward, evaluation, speed, ETA."""
+    """Each metrics line to <out_dir>/metrics.jsonl (eval_only: eval/metrics.jsonl; read it with pandas or any logger)
+    and, with wandb_project, to a W&B run (wandb imported only then): the config once, a resumed run continuing its id
+    (the checkpoints carry it). One console line each: where the run is, its reward, evaluation, speed, ETA."""
     def __init__(self, cfg, step, state):
         self.cfg, self.start, self.t0, self.to_wandb = cfg, step, time.perf_counter(), lambda m, step: None
         self.path = os.path.join(cfg.out_dir, "eval" * cfg.eval_only, "metrics.jsonl")
@@ -483,11 +477,11 @@ class Logger:
         lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
         open(self.path, "w").writelines(x for x in lines if cfg.eval_only or json.loads(x)["step"] <= step)
         with open(os.path.join(os.path.dirname(self.path), "config.json"), "w") as f:  # closed: others read it now
-            json.dump(config.to_dict(cfg), f, indent=2)
+            json.dump(vars(cfg), f, indent=2)
         if cfg.wandb_project:
             import wandb
             run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
-                             resume="allow", config=config.to_dict(cfg), dir=cfg.out_dir)
+                             resume="allow", config=vars(cfg), dir=cfg.out_dir)
             state["wandb_id"], self.to_wandb = run.id, run.log
 
     def log(self, m):
@@ -546,7 +540,7 @@ def take_batch(cfg, ro, version, counters):
         fresh = [m for m in group if version - m["versions"][m["loss_mask"] == 1].min().item() <= cfg.max_staleness]
         counters["dropped_stale"] += len(group) - len(fresh)
         same = cfg.filter_groups and len({m["reward"] for m in fresh}) == 1  # DAPO's dynamic sampling: no signal
-        counters["filtered_groups"] += bool(fresh and same)
+        counters["filtered_groups"] += same  # (an empty group is never `same`: it has no rewards)
         if not fresh or same:  # nothing (informative) left of the group: let the rollout start another
             ro.drop(1)
             filtered += same
@@ -590,19 +584,18 @@ def main(argv=None):
     if ckpt:
         same_architecture(ckpt, init)
     tokenizer_dir = ckpt or init  # the weights' own tokenizer
-    saved = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if ckpt else None
+    saved = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if ckpt else {}
     say(f"loading the policy from {tokenizer_dir} ({world} rank(s), {device})")
     # LoRA: the initial model as the base, the checkpoint's adapters (its merged weights are for engines, transformers)
     model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir,
-                        adapters=(saved or {}).get("adapters"))
+                        adapters=saved.get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
     adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps,
                                                  fused=True)  # one kernel a tensor: on CPU 4x the per-tensor loops
     opt = None if cfg.eval_only else adamw([p for p in model.parameters() if p.requires_grad], cfg.lr)
-    gae = cfg.advantage == "gae" and not cfg.eval_only  # critic: (the value model, its optimizer)
-    net = gae and build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=(saved or {}).get("critic"),
-                              critic=True)  # (saved: its weights, restored)
+    gae = cfg.advantage == "gae" and not cfg.eval_only  # critic: (the value model, its optimizer); saved: its weights
+    net = gae and build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=saved.get("critic"), critic=True)
     critic = (net, adamw(net.parameters(), cfg.critic_lr)) if gae else None
     state = load_trainer_state(None if cfg.eval_only else saved, model, opt, fsdp, critic)  # what checkpoints carry on
     step, counters = (saved or state)["step"], state["counters"]  # eval_only: the checkpoint's step, no optimizer
