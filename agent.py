@@ -323,7 +323,7 @@ def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tenso
     img, g = torch.zeros(3, size, size), size // cell
     for j in rng.sample(range(g * g), k):
         r, c = divmod(j, g)
-        color = torch.tensor([rng.uniform(0.3, 1) for _ in "rgb"])[:, None, None]
+        color = torch.tensor([rng.randint(77, 255) / 255 for _ in "rgb"])[:, None, None]  # 8 bits, as a PNG holds
         img[:, r * cell:(r + 1) * cell, c * cell:(c + 1) * cell] = color
     return img
 

@@ -14,6 +14,7 @@ from statistics import mean, median as med
 
 import config
 import train
+from model_moe import convert_gguf
 
 GUESS = ["--config", "configs/guess.py", "--dump_every=0", "--ckpt_every=0"]  # the default recipe, no mid-run dumps
 ARITH = ["--task=arith", "--max_turns=1", "--max_new_tokens=4", "--temperature=1"]  # issue 22's: 8 x 8, tiny MoE
@@ -65,17 +66,22 @@ def bench_checkpointing():
 
 def bench_trl():
     """The baseline is TRL's GRPOTrainer (tests/trl_arith.py, under --trl_python) on the same initial weights, prompt
-    ids, batch, sampling and lr as train.py at the arith setting; one process each, the same number of steps."""
-    steps, warm = (4, 1) if args.quick else (300, 20)
-    init = train.tiny_init(config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}"]), 0, False)  # train.py's own
-    job = [*ARITH, f"--model={init}", f"--max_steps={steps}", "--eval_every=0"]  # TRL evaluates nothing either
+    ids, batch, sampling, lr and dtype (--dtype: TRL's bf16 autocast, its default, or fp32) as train.py: the arith
+    setting on the tiny MoE, or with --smollm2 configs/smollm2_cpu.py's; one process each, the same number of steps."""
+    steps, warm = [[(300, 20), (4, 1)], [(12, 2), (3, 1)]][args.smollm2][args.quick]
+    work = ["--config", "configs/smollm2_cpu.py", "--max_turns=1", "--adam_eps=1e-8"] if args.smollm2 else ARITH
+    cfg = config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}", *work])
+    init = convert_gguf(cfg.model) if args.smollm2 else train.tiny_init(cfg, 0, False)  # train.py's own weights
+    job = [*work, f"--model={init}", f"--max_steps={steps}", "--eval_every=0", f"--dtype={args.dtype}"]  # TRL: no eval
     runs = {"TRL": run_train(job, cmd=(args.trl_python, "tests/trl_arith.py")), "nanomolt": run_train(job),
             "nanomolt --compile": run_train([*job, "--compile=true"])}  # its first steps compile (not in the rates)
     rate = {k: (len(ms) - warm) / sum(m["time/step"] for m in ms[warm:]) for k, ms in runs.items()}
-    table(f"nanomolt train.py vs TRL {runs['TRL'][0]['trl_version']} GRPOTrainer: {' '.join(ARITH)}, 8 x 8 episodes a "
-          f"step, {steps} steps, rates after step {warm}", ["", "steps/s", "episodes/s", "ratio to TRL", "reward, last "
-          "50 steps"], [(k, f"{r:.2f}", f"{r * 64:.0f}", f"{r / rate['TRL']:.2f}x",
-                         f"{mean(m['reward/mean'] for m in runs[k][-50:]):.3f}") for k, r in rate.items()])
+    last = min(50, steps - warm)
+    table(f"nanomolt train.py vs TRL {runs['TRL'][0]['trl_version']} GRPOTrainer: {' '.join(work)}, {args.dtype}, "
+          f"{cfg.batch_size} episodes a step, {steps} steps, rates after step {warm}", ["", "steps/s", "episodes/s",
+          "ratio to TRL", f"reward, last {last} steps", "wall time"], [(k, f"{r:.3f}", f"{r * cfg.batch_size:.1f}",
+          f"{r / rate['TRL']:.2f}x", f"{mean(m['reward/mean'] for m in runs[k][-last:]):.3f}",
+          f"{sum(m['time/step'] for m in runs[k]):.0f} s") for k, r in rate.items()])
 
 
 BENCHES = {"fixed": bench_fixed, "trl": bench_trl, "checkpointing": bench_checkpointing}
@@ -85,6 +91,8 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer steps")
     ap.add_argument("--before", default="8482101", help="fixed: the baseline commit")
     ap.add_argument("--trl_python", default="python", help="trl: the interpreter of a venv with trl installed")
+    ap.add_argument("--smollm2", action="store_true", help="trl: SmolLM2-135M on its recipe's work, not the tiny MoE")
+    ap.add_argument("--dtype", default="float32", help="trl: float32, or bfloat16 (TRL's default bf16 autocast)")
     args = ap.parse_args()
     os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
     for name in BENCHES if args.section == "all" else [args.section]:

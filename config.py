@@ -148,7 +148,7 @@ class Config:
              "must divide image_size / 2 (the merger takes 2 x 2 patches)"),
             ("tiny_vision", self.tiny_vision or not (self.model == "tiny" and self.task == "count"),
              "must be true for the image task count on the tiny model"),
-            ("engine", self.engine == "torch" or not self.tiny_vision, "takes no images: use engine=torch"),
+            ("engine", self.engine != "vllm" or not self.tiny_vision, "vllm takes no images: torch or sglang do"),
             ("temperature", self.temperature > 0, "must be > 0 (the recorded logprobs need a sampling distribution)"),
             *((key, 0 < getattr(self, key) <= 1, "must be in (0, 1]") for key in ("top_p", "eval_top_p")),
             ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),

@@ -280,7 +280,7 @@ def check_images(ids, images, c):
     images = list(images if images is not None else [])
     if c is None or not c.vision:
         if images:
-            raise ValueError("images given, but the engine takes none (a text model, or a server: no images yet)")
+            raise ValueError("images given, but the engine takes none (a text model, or vLLM)")
         return None
     f = c.vision["patch_size"] * c.vision["spatial_merge_size"]
     for i, im in enumerate(images):
@@ -733,10 +733,11 @@ def sglang_command(model_dir, port, cfg, moe):
 
 
 def sglang_generate(url, ids, ps, timeout):
-    """The native /generate with many prompts' input_ids -> per prompt (ids, logprobs, experts (T-1, layers, k), the
-    prompt tokens its radix cache held)."""
-    answers = _http(url + "/generate", {"input_ids": ids, "return_logprob": True, "return_routed_experts": ps[0][
-        "experts"], "sampling_params": [{"max_new_tokens": p["max_new_tokens"], "temperature": p["temperature"],
+    """The native /generate with many prompts' input_ids (and each one's images, PNG data: URLs) -> per prompt (ids,
+    logprobs, experts (T-1, layers, k), the prompt tokens its radix cache held)."""
+    images = {"image_data": [p.get("images", []) for p in ps]} if any("images" in p for p in ps) else {}
+    answers = _http(url + "/generate", images | {"input_ids": ids, "return_logprob": True, "return_routed_experts": ps[
+        0]["experts"], "sampling_params": [{"max_new_tokens": p["max_new_tokens"], "temperature": p["temperature"],
         "top_p": p["top_p"], "top_k": p["top_k"] or -1, "stop_token_ids": p["stop_ids"], "sampling_seed": p["seed"],
         "skip_special_tokens": False, "no_stop_trim": True} for p in ps]}, timeout)
     # meta_info.output_token_logprobs holds (logprob, id, _) per token; routed_experts is base64 of int32
@@ -766,6 +767,7 @@ class ServerEngine:
                  max_new_tokens=16, max_len=512, stop_ids=(), seed=0, version=None, timeout=600.0, concurrency=64,
                  weights=None, lock=None, sync="disk"):
         c, self.api, self.urls, self.logs = model_config, SERVERS[kind], list(urls), list(logs or [None] * len(urls))
+        self.c = c if kind == "sglang" else None  # SGLang takes images (Policy.generate checks them against it)
         self.top_k, self.vocab_size = c.num_experts_per_tok, c.vocab_size
         self.moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
         self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=list(stop_ids),
@@ -785,21 +787,28 @@ class ServerEngine:
         self.in_flight, self.home = {}, {}  # an answer's future -> its server; an episode -> its server
         self.queued = {k: [] for k in range(len(self.urls))}  # per server: the batch being formed
 
-    async def generate(self, ids, max_new_tokens=None, key=None, sampling=None) -> Completion:
+    async def generate(self, ids, max_new_tokens=None, key=None, sampling=None, images=None) -> Completion:
         max_new = check_prompt(ids, self.vocab_size, self.max_len, max_new_tokens or self.max_new)
+        sent = [*ids]
+        if images:  # SGLang expands each image's one placeholder itself: its run of h * w becomes one
+            sent, i, sizes = [], 0, iter(h * w for h, w in map(self.c.grid, images))
+            while i < len(ids):
+                sent.append(ids[i])
+                i += next(sizes) if ids[i] == self.c.image_token_id else 1
         while self.shared_version is not None and self.shared_version.value != self.version:  # none on weights
             await asyncio.sleep(0.01)  # older than the published ones (an evaluation's are exactly its version's)
         await self.open.wait()  # closed while the servers change weights
         version, i = self.version, next(self.calls)
         seed = int(uniform([[self.seed, *(key or (-1, i))]])[0] * 2**31)  # per request, as the torch engine's
         p = dict(self.params, max_new_tokens=max_new, seed=seed) | (sampling or {})  # draws (sampling_seed, seed)
+        p |= {"images": [png_url(im) for im in images]} if images else {}
         # an episode's calls all go to one server (its radix cache keeps their shared prefix): the one with the fewest
         # requests in flight at its first call, ties by the episode's index modulo n; unkeyed calls: round-robin
         n = len(self.urls)
         if key and key[0] not in self.home:
             busy = [*self.in_flight.values()]
             self.home[key[0]] = min(range(n), key=lambda k: (busy.count(k), (k - key[0]) % n))
-        out, logprobs, experts, cached = await self._submit(self.home[key[0]] if key else i % n, [*ids], p)
+        out, logprobs, experts, cached = await self._submit(self.home[key[0]] if key else i % n, sent, p)
         self.tokens_generated += len(out)
         self.prompt_tokens += (len(ids), cached)  # what SGLang's radix cache saved (sticky routing: tests/test_servers)
         routing = None
@@ -897,6 +906,16 @@ class ServerEngine:
             self._call(k, sglang_receive, self.meta, self.timeout) for k in range(n))))[0]  # broadcast's version
 
 
+def png_url(im):
+    """(3, H, W) in [0, 1] -> a PNG data: URL; a ValueError for values a PNG cannot carry exactly (not k / 255)."""
+    pixels = (im * 255).round()
+    if not torch.equal(pixels / 255, im):
+        raise ValueError("a server takes 8-bit images (values k / 255, as a PNG or JPEG decodes): quantize it first")
+    buf = io.BytesIO()
+    endpoint.Image.fromarray(pixels.byte().permute(1, 2, 0).numpy()).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     """The trainer's full state dict as a Hugging Face directory `<weights_dir>/v<version>` -> its path; written under
     a temporary name, renamed (no server reads half of one); lm_head untied: vLLM's in-place reload skips a tied one."""
@@ -906,6 +925,14 @@ def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     state = dict(state, **{"lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"]).clone()})
     save_pretrained(tmp, dataclasses.replace(model_cfg, tie_word_embeddings=False), state)
     save_tokenizer(tokenizer_dir, tmp)
+    if v := model_cfg.vision:  # SGLang's Qwen3-VL processor, with bounds that resize none of our images (sides of
+        f = v["patch_size"] * v["spatial_merge_size"]  # multiples of f; the endpoint resized chat images already)
+        pre = dict(patch_size=v["patch_size"], merge_size=v["spatial_merge_size"], image_mean=[0.5] * 3,
+                   temporal_patch_size=v["temporal_patch_size"], image_std=[0.5] * 3,
+                   processor_class="Qwen3VLProcessor", size={"shortest_edge": f * f, "longest_edge": 2**24})
+        for name, kind in (("preprocessor", "image_processor_type"), ("video_preprocessor", "video_processor_type")):
+            with open(os.path.join(tmp, f"{name}_config.json"), "w") as fh:  # it loads a video processor too
+                json.dump(pre | {kind: "Qwen2VLImageProcessor" if name[0] == "p" else "Qwen3VLVideoProcessor"}, fh)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final

@@ -102,10 +102,11 @@ def tiny_init(cfg, rank, fsdp):
         if not os.path.isdir(path):
             agent.make_tokenizer(path + ".tmp")
         tok = rollout._tokenizer(path if os.path.isdir(path) else path + ".tmp")
-        D, s = cfg.tiny_hidden // 2, cfg.tiny_hidden // 8  # tiny Qwen3-VL-MoE: a 2-block tower, DeepStack from block 0
-        tower = dict(depth=2, hidden_size=D, intermediate_size=2 * D, num_heads=2, in_channels=3, spatial_merge_size=2,
+        D, s = cfg.tiny_hidden // 2, cfg.tiny_hidden // 8  # tiny Qwen3-VL-MoE: a 3-block tower, DeepStack from each
+        tower = dict(depth=3, hidden_size=D, intermediate_size=2 * D, num_heads=2, in_channels=3, spatial_merge_size=2,
                      temporal_patch_size=2, patch_size=cfg.patch_size, out_hidden_size=cfg.tiny_hidden,
-                     num_position_embeddings=(cfg.image_size // cfg.patch_size) ** 2, deepstack_visual_indexes=[0])
+                     num_position_embeddings=(cfg.image_size // cfg.patch_size) ** 2,
+                     deepstack_visual_indexes=[0, 1, 2])  # as every Qwen3-VL checkpoint (SGLang assumes 3)
         vision = dict(vision=tower | {"hidden_act": "gelu_pytorch_tanh"}, image_token_id=tok.convert_tokens_to_ids(
             agent.IMAGE_PAD), mrope_section=[s - 2 * (s // 3), s // 3, s // 3])
         c = ModelConfig(vocab_size=len(tok), hidden_size=cfg.tiny_hidden, intermediate_size=2 * cfg.tiny_hidden,

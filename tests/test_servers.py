@@ -866,3 +866,67 @@ def test_train_loop_against_sglang_moe(tmp_path, device):
     assert all(m["mismatch/logprob_abs_diff"] < 1e-5 and m["routing/flip_frac"] < 0.01 for m in ms), ms
     print("routing/flip_frac:", [m["routing/flip_frac"] for m in ms])
     assert os.listdir(tmp_path / "engine_weights") == []  # later versions went in memory; v0 deleted once v1 is in
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.usefixtures("sglang_device")
+def test_sglang_serves_qwen3_vl_moe_with_images(tmp_path, tok, tok_dir, device):
+    """A tiny Qwen3-VL-MoE on a real SGLang server: two turns, an 8-bit image of another size in each, sent as PNG
+    data: URLs with one <|image_pad|> per image (SGLang expands it). The trainer's recompute on the same pixels gives
+    the server's logprobs (float32) and experts; other pixels do not (the server saw the images)."""
+    from model_moe import ModelConfig
+    from rollout import Policy, check_tokens, episode_to_msg
+    from test_vision import VISION
+    pad = tok.convert_tokens_to_ids(agent.IMAGE_PAD)
+    v = VISION | dict(depth=3, deepstack_visual_indexes=[0, 1, 2], hidden_size=16, intermediate_size=32, patch_size=4,
+                      out_hidden_size=32, num_position_embeddings=4)
+    c = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=16, tie_word_embeddings=False, vision=v, mrope_section=[2, 1, 1], image_token_id=pad)
+    model = Transformer(c).init_weights(0, std=0.3)
+    cfg, wdir, log = config.load(sglang_flags(device, tmp_path)), str(tmp_path / "weights"), str(tmp_path / "s.log")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, val in SGLANG[device]["env"].items():
+            mp.setenv(k, val)
+        proc, url = start_server("sglang", write_weights(wdir, c, tok_dir, 0, model.state_dict()), cfg, log, moe=True)
+    e = ServerEngine("sglang", [url], logs=[log], model_config=c, weights_dir=wdir, max_new_tokens=4, max_len=256,
+                     stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], seed=0, sync="disk")
+
+    async def episode(j):
+        g, llm, ep = torch.Generator().manual_seed(j), Policy(e, tok, j), agent.Episode()
+        for turn, (H, W) in enumerate([(16, 16), (8, 24)]):  # 2 x 2 and 1 x 3 image tokens
+            text = agent.IMAGE_PAD * (H // 8 * W // 8) + agent.COUNT_PROMPT
+            ep.append_image(torch.randint(0, 256, (3, H, W), generator=g) / 255,
+                            agent.turn_suffix(tok, text) if turn else agent.prompt_ids(tok, text))
+            await agent.model_turn(llm, ep)
+        return episode_to_msg(ep, j, j, check_tokens(ep, llm.calls))
+
+    async def episodes():
+        return await asyncio.gather(*(episode(j) for j in range(6)), return_exceptions=True)
+    try:
+        outs = drive(e, episodes)
+        with pytest.raises(ValueError, match="8-bit images"):  # what a PNG cannot carry is refused, not rounded
+            drive(e, lambda: Policy(e, tok).generate([1, pad, pad, pad, pad, 2], images=[torch.full((3, 16, 16), 0.3)]))
+    finally:
+        stop_server(proc)
+    msgs = [m for m in outs if not isinstance(m, BaseException)]  # a sampled placeholder ends its episode (no image)
+    assert len(msgs) >= 4 and all("image placeholders" in str(m) for m in outs if isinstance(m, BaseException))
+    diff, other, same, fed = [], [], 0, 0
+    for m in msgs:
+        ids, mask = m["ids"], m["loss_mask"][1:].bool()
+        with torch.no_grad():
+            logits, routing = model(ids[None], images=m["images"], return_routing=True)
+            flipped = model(ids[None], images=[im.flip(-1) for im in m["images"]])
+        for out, acc in ((logits, diff), (flipped, other)):
+            lp = torch.log_softmax(out[0, :-1].double(), -1).gather(-1, ids[1:, None])[:, 0]
+            acc.append((lp - m["logprobs"][1:].double())[mask].abs())
+        got, want = m["routing"].long(), routing[:, 0].transpose(0, 1)  # (T, n_moe, k); -1 where none was returned
+        rows = (got >= 0).all(-1)
+        same += (got.sort(-1).values == want.sort(-1).values).all(-1)[rows].sum().item()
+        fed += rows.sum().item()
+    d, o = torch.cat(diff), torch.cat(other)
+    print(f"trainer vs SGLang with images: |diff| mean {d.mean():.1e}, max {d.max():.1e} over {d.numel()} tokens "
+          f"(other pixels: max {o.max():.1e}); experts equal at {same} of {fed}")
+    assert d.mean() < 1e-5 and d.max() < 1e-4 and o.max() > 1e-3
+    assert fed > 0 and same / fed > 0.99

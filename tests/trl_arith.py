@@ -47,14 +47,15 @@ class StepTimes(TrainerCallback):
 
 
 with tempfile.TemporaryDirectory() as out:
-    # bf16 autocast and gradient checkpointing are on by TRL's default; off, it does nanomolt's work: fp32, no recompute
+    # bf16 autocast and gradient checkpointing are on by TRL's default: autocast as --dtype asks (bfloat16: its
+    # default), no recompute (nanomolt's work: activations kept)
     args = GRPOConfig(
         output_dir=out, use_cpu=True, seed=cfg.seed, max_steps=cfg.max_steps, report_to="none", save_strategy="no",
         logging_steps=1, shuffle_dataset=False, per_device_train_batch_size=cfg.batch_size,
         num_generations=cfg.group_size, max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p, learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0,
         adam_epsilon=cfg.adam_eps, weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip, beta=cfg.kl_coef,
-        dataloader_num_workers=0, bf16=False, gradient_checkpointing=False)
+        dataloader_num_workers=0, bf16=cfg.dtype == "bfloat16", gradient_checkpointing=False)
     model = AutoModelForCausalLM.from_pretrained(cfg.model)
     timer = StepTimes()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
