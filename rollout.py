@@ -925,14 +925,13 @@ def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     state = dict(state, **{"lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"]).clone()})
     save_pretrained(tmp, dataclasses.replace(model_cfg, tie_word_embeddings=False), state)
     save_tokenizer(tokenizer_dir, tmp)
-    if v := model_cfg.vision:  # SGLang's Qwen3-VL processor, with bounds that resize none of our images (sides of
+    if v := model_cfg.vision:  # SGLang's Qwen3-VL image processor, with bounds that resize none of our images (sides
         f = v["patch_size"] * v["spatial_merge_size"]  # multiples of f; the endpoint resized chat images already)
-        pre = dict(patch_size=v["patch_size"], merge_size=v["spatial_merge_size"], image_mean=[0.5] * 3,
-                   temporal_patch_size=v["temporal_patch_size"], image_std=[0.5] * 3,
-                   processor_class="Qwen3VLProcessor", size={"shortest_edge": f * f, "longest_edge": 2**24})
-        for name, kind in (("preprocessor", "image_processor_type"), ("video_preprocessor", "video_processor_type")):
-            with open(os.path.join(tmp, f"{name}_config.json"), "w") as fh:  # it loads a video processor too
-                json.dump(pre | {kind: "Qwen2VLImageProcessor" if name[0] == "p" else "Qwen3VLVideoProcessor"}, fh)
+        pre = dict(image_processor_type="Qwen2VLImageProcessor", patch_size=v["patch_size"], image_mean=[0.5] * 3,
+                   merge_size=v["spatial_merge_size"], temporal_patch_size=v["temporal_patch_size"],
+                   image_std=[0.5] * 3, size={"shortest_edge": f * f, "longest_edge": 2**24})
+        with open(os.path.join(tmp, "preprocessor_config.json"), "w") as fh:
+            json.dump(pre, fh)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
