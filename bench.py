@@ -1,8 +1,6 @@
 """python bench.py SECTION [--quick] (--help lists them): the numbers README's "Performance" section quotes, each as
-measured, baseline and ratio, in the caller's environment, as users run train.py and TRL (retired sections: scale,
-memory, flops: commit 8482101; moe, publish: d207298; trainer: 290f213; endpoint, eval: b5d64a7; parity: 12c8717;
-engine: f9faa93). One at a time on a shared machine:
-flock /tmp/nanomolt-cpu.lock python bench.py X"""
+measured, baseline and ratio, in the caller's environment, as users run train.py and TRL (the README names each
+retired section's last commit). One at a time on a shared machine: flock /tmp/nanomolt-cpu.lock python bench.py X"""
 import argparse
 import itertools
 import json
@@ -65,9 +63,8 @@ def bench_checkpointing():
 
 
 def bench_trl():
-    """The baseline is TRL's GRPOTrainer (tests/trl_arith.py, under --trl_python) on the same initial weights, prompt
-    ids, batch, sampling, lr and dtype (--dtype: TRL's bf16 autocast, its default, or fp32) as train.py: the arith
-    setting on the tiny MoE, or with --smollm2 configs/smollm2_cpu.py's; one process each, the same number of steps."""
+    """TRL's GRPOTrainer (tests/trl_arith.py, --trl_python) vs train.py, one process each, as many steps, from the same
+    weights, prompt ids, batch, sampling, lr, dtype: arith on the tiny MoE, or --smollm2 configs/smollm2_cpu.py's."""
     steps, warm = [[(300, 20), (4, 1)], [(12, 2), (3, 1)]][args.smollm2][args.quick]
     work = ["--config", "configs/smollm2_cpu.py", "--max_turns=1", "--adam_eps=1e-8"] if args.smollm2 else ARITH
     cfg = config.load([*GUESS, f"--out_dir={tempfile.mkdtemp()}", *work])

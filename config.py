@@ -34,7 +34,7 @@ class Config:
     tiny_hidden: int = 128  # tiny model: width
     tiny_experts: int = 8  # tiny model: experts per MoE layer (0 = dense)
     tiny_top_k: int = 2  # tiny model: experts per token
-    tiny_vision: bool = False  # tiny model: a Qwen3-VL-MoE, with a vision tower (needed by image tasks such as count)
+    tiny_vision: bool = False  # tiny model: a Qwen3-VL-MoE, with a vision tower (for image tasks; count sets it)
     image_size: int = 16  # image tasks: height = width of every image, in pixels (tiny vision: what it takes)
     patch_size: int = 4  # tiny vision: patch side; an image is (image_size / patch_size / 2)^2 <|image_pad|> tokens
     # ---- generation ----
@@ -120,6 +120,7 @@ class Config:
     def __post_init__(self):
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
+        self.tiny_vision |= self.task == "count"  # the image task needs the tower
         import estimators  # the variant names live beside the functions
         tables = {"engine": ("torch", "vllm", "sglang"), "weight_sync": ("gloo", "nccl", "disk"),
                   "dtype": ("float32", "bfloat16"), "reshard_after_forward": ("auto", "true", "false"),
@@ -146,8 +147,6 @@ class Config:
             ("guess_max", 1 <= self.guess_max <= 9, "must be in 1..9 (a guess is one digit)"),
             ("patch_size", self.patch_size >= 1 and self.image_size % (2 * self.patch_size) == 0,
              "must divide image_size / 2 (the merger takes 2 x 2 patches)"),
-            ("tiny_vision", self.tiny_vision or not (self.model == "tiny" and self.task == "count"),
-             "must be true for the image task count on the tiny model"),
             ("engine", self.engine != "vllm" or not self.tiny_vision, "vllm takes no images: torch or sglang do"),
             ("temperature", self.temperature > 0, "must be > 0 (the recorded logprobs need a sampling distribution)"),
             *((key, 0 < getattr(self, key) <= 1, "must be in (0, 1]") for key in ("top_p", "eval_top_p")),

@@ -78,9 +78,8 @@ def batch_mean(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 def distill_advantage(*, teacher_logp: Tensor, old_logp: Tensor, loss_mask: Tensor) -> Tensor:
     """On-policy distillation (Agarwal et al. 2024, https://arxiv.org/abs/2306.13649; Thinking Machines 2025,
-    https://thinkingmachines.ai/blog/on-policy-distillation): each token the student sampled gets the advantage log
-    pi_teacher - log pi_student, [B, T], so the policy gradient descends the per-token reverse KL(student || teacher); 0
-    where loss_mask is 0. Per token: not in ADVANTAGES (advantage="opd" adds it to GRPO's)."""
+    https://thinkingmachines.ai/blog/on-policy-distillation): each sampled token's advantage is log pi_teacher - log
+    pi_student [B, T], 0 off the mask: the gradient descends the per-token reverse KL. Not in ADVANTAGES; opd adds."""
     return (teacher_logp - old_logp) * loss_mask
 
 

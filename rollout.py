@@ -66,9 +66,8 @@ def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
 
 
 def uniform(keys):
-    """keys (B, n) ints -> (B,) float64 in [0, 1): splitmix64 (Steele et al. 2014) folded over each row, a
-    counter-based generator: the draw for (seed, episode, call, position) depends on nothing else, not the batch,
-    the timing or the rows beside it, so an episode regenerated on resume samples the same tokens."""
+    """keys (B, n) ints -> (B,) float64 in [0, 1): splitmix64 (Steele et al. 2014) folded over each row, counter-based:
+    a draw depends on (seed, episode, call, position) only, not batch or timing: a resumed episode resamples alike."""
     h = np.zeros(len(keys), dtype=np.uint64)
     for col in np.asarray(keys, dtype=np.int64).astype(np.uint64).T:  # numpy: uint64 (wrapping), 3x torch's speed
         h = (h ^ col) + np.uint64(0x9E3779B97F4A7C15)
@@ -129,8 +128,7 @@ class TorchEngine:
         self.model, self.c = model.eval(), model.config
         p = next(model.parameters())
         self.cache = KVCache(self.c, slots, max_len, dtype=torch.float32 if p.is_cpu else p.dtype, device=p.device)
-        # experts of each slot's positions (S, max_len, n_moe, top_k), -1 where not computed: kept per
-        # slot like the KV cache, so a step records all its rows with one indexed write
+        # experts by slot and position (S, max_len, n_moe, k), -1: not computed; per slot as the KV cache: one write
         self.routing = torch.full((slots, max_len, self.c.n_moe_layers, self.c.num_experts_per_tok), -1,
                                   dtype=torch.int16) if self.c.n_moe_layers else None
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -262,11 +260,11 @@ class Policy:
         if self.closed:  # the episode timed out: an agent that swallowed its cancellation gets no more tokens
             raise RuntimeError("this episode has timed out; its policy is closed")
         images = check_images(ids, images, getattr(self.engine, "c", None))  # bad input fails here, in the agent
-        kw = ({} if images is None else {"images": images}) | ({} if self.keys is None else {"key": next(self.keys)})
         sampling = dict(self.sampling)
         max_new_tokens = max_new_tokens or sampling.pop("max_new_tokens", None)
         try:
-            c = await self.engine.generate(ids, max_new_tokens, **kw, **({"sampling": sampling} if sampling else {}))
+            c = await self.engine.generate(ids, max_new_tokens, images=images, key=self.keys and next(self.keys),
+                                           sampling=sampling)
         except ContextFull:
             self.full = True  # an agent that gives up now (a chat agent's client raises the 400) is truncated
             raise
@@ -323,9 +321,8 @@ def save_tokenizer(src, dst):
 
 
 def check_tokens(ep, calls):
-    """The trainer must train exactly the tokens the engine saw and sampled (ValueError otherwise). -> the
-    engine's record: logprobs, versions [T] (0.0, -1 where mask 0), routing (T, n_moe_layers, top_k) int16 or
-    None (-1 where not computed), engine_ids (every sampled id, in order)."""
+    """The trainer must train exactly the tokens the engine saw and sampled (ValueError otherwise) -> the engine's
+    record: logprobs, versions [T] (0.0, -1 where mask 0), routing (T, n_moe, k) int16 or None (-1: not run), ids."""
     T = len(ep.ids)
     logprobs, versions, sampled, routing = [0.0] * T, [-1] * T, 0, None
     for prompt, c, images in calls:
@@ -488,12 +485,11 @@ async def evaluate(cfg, one, tokenizer, version, out):
 
 
 async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, state=None, evals=None):
-    """Run agents and queue each group whole, once all its episodes ended (its advantages compare the whole
-    group). Staleness bound: a group starts only while fewer groups are live (started, not all failed) than
-    (version + 1 + max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL.
-    state: a checkpoint's COUNTS (deterministic: and index, base). deterministic: once all admitted have ended,
-    {"idle": (version, dropped), "state"} follows the groups in the queue (for Rollout.settle). evals: (the version
-    the trainer asked to evaluate, a queue for its metrics): see evaluate; eval_only: no training agents."""
+    """Run agents; queue each group whole once all its episodes ended (its advantages compare the whole group).
+    Staleness bound: a group starts only while fewer groups are live (started, not all failed) than (version + 1 +
+    max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL. state: a checkpoint's COUNTS
+    (deterministic: and index, base). deterministic: once all admitted have ended, {"idle": (version, dropped),
+    "state"} follows the groups in the queue (Rollout.settle). evals: (the version to evaluate, its metrics' queue)."""
     run, G, P, S = agent_mod.load_agent(cfg.task), cfg.group_size, cfg.prompts_per_step, cfg.max_staleness
     first = -(-start_index // G)  # resume at the first group not yet started (whole groups only)
     # base: the window's origin in groups, one later for each group that failed whole
@@ -789,12 +785,10 @@ class ServerEngine:
 
     async def generate(self, ids, max_new_tokens=None, key=None, sampling=None, images=None) -> Completion:
         max_new = check_prompt(ids, self.vocab_size, self.max_len, max_new_tokens or self.max_new)
-        sent = [*ids]
-        if images:  # SGLang expands each image's one placeholder itself: its run of h * w becomes one
-            sent, i, sizes = [], 0, iter(h * w for h, w in map(self.c.grid, images))
-            while i < len(ids):
-                sent.append(ids[i])
-                i += next(sizes) if ids[i] == self.c.image_token_id else 1
+        sent, at = [*ids], -1
+        for h, w in map(self.c.grid, images or []):  # SGLang expands each image's one placeholder itself
+            at = sent.index(self.c.image_token_id, at + 1)  # its run of h * w becomes one
+            del sent[at + 1:at + h * w]
         while self.shared_version is not None and self.shared_version.value != self.version:  # none on weights
             await asyncio.sleep(0.01)  # older than the published ones (an evaluation's are exactly its version's)
         await self.open.wait()  # closed while the servers change weights
@@ -927,11 +921,10 @@ def write_weights(weights_dir, model_cfg, tokenizer_dir, version, state):
     save_tokenizer(tokenizer_dir, tmp)
     if v := model_cfg.vision:  # SGLang's Qwen3-VL image processor, with bounds that resize none of our images (sides
         f = v["patch_size"] * v["spatial_merge_size"]  # multiples of f; the endpoint resized chat images already)
-        pre = dict(image_processor_type="Qwen2VLImageProcessor", patch_size=v["patch_size"], image_mean=[0.5] * 3,
-                   merge_size=v["spatial_merge_size"], temporal_patch_size=v["temporal_patch_size"],
-                   image_std=[0.5] * 3, size={"shortest_edge": f * f, "longest_edge": 2**24})
         with open(os.path.join(tmp, "preprocessor_config.json"), "w") as fh:
-            json.dump(pre, fh)
+            json.dump(dict(image_processor_type="Qwen2VLImageProcessor", image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                           merge_size=v["spatial_merge_size"], size={"shortest_edge": f * f, "longest_edge": 2**24},
+                           **{k: v[k] for k in ("patch_size", "temporal_patch_size")}), fh)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final

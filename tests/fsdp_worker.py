@@ -91,7 +91,7 @@ first moves its zero value head, so the second's gradients reach the whole criti
              for pre, net in nets for k, p in net.named_parameters() if p.grad is not None}
     weights = {pre + k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for pre, net in nets for k, p in net.named_parameters()}
-    sums = train.reduce_metrics(vec, 0, world)[0]  # over the ranks: the critic's value loss, clip count, EV sums
+    sums = train.reduce_metrics(vec, world)[0]  # over the ranks: the critic's value loss, clip count, EV sums
     metrics = torch.tensor([sums[k] for k in ("loss", "value", "v_clip", "ret2", "err2")])
     published = train.full_state(model, world > 1, changed=mode == "lora")  # what a publish sends (2 ranks: gathered)
     if rank == 0:

@@ -37,7 +37,7 @@ class ScriptEngine:
     def __init__(self, tok, texts):
         self.tok, self.texts, self.max_new = tok, list(texts), []
 
-    async def generate(self, ids, max_new_tokens=None):
+    async def generate(self, ids, max_new_tokens=None, **kw):  # (images, key, sampling: Policy's, unused here)
         self.max_new.append(max_new_tokens)
         out = self.tok.encode(self.texts.pop(0), add_special_tokens=False)
         return Completion(out, [-1.0] * len(out), [0] * len(out), None)

@@ -111,8 +111,8 @@ def step_with(args, seed=0):
     model, msgs = tiny_setup(seed)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     adv = torch.tensor([1.0, -1.0] * 4)
-    vec, _, norms = train.train_step(model, opt, train.make_shares(msgs, adv.tolist(), 1, cfg)[0], cfg, 0, 1)
-    sums, _, _ = train.reduce_metrics(vec, 0, 1)
+    vec, norms = train.train_step(model, opt, train.make_shares(msgs, adv.tolist(), 1, cfg)[0], cfg, 0, 1)
+    sums, _ = train.reduce_metrics(vec, 1)
     return model, sums, norms
 
 
@@ -401,8 +401,8 @@ def test_distilling_from_a_copy_of_oneself_has_zero_advantage():
     teacher = tiny_setup()[0]  # the same weights
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     share = train.make_shares(msgs, [0.0] * len(msgs), 1, cfg)[0]
-    vec, _, _ = train.train_step(model, opt, share, cfg, 0, 1, teacher=teacher)
-    sums = train.reduce_metrics(vec, 0, 1)[0]
+    vec, _ = train.train_step(model, opt, share, cfg, 0, 1, teacher=teacher)
+    sums = train.reduce_metrics(vec, 1)[0]
     assert sums["distill_gap"] == 0 and abs(sums["loss"]) < 1e-9  # advantage 0 everywhere: no policy gradient
     lp = torch.randn(2, 5)
     assert estimators.distill_advantage(teacher_logp=lp, old_logp=lp, loss_mask=torch.ones(2, 5)).abs().max() == 0

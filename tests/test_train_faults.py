@@ -40,7 +40,7 @@ def test_an_update_without_sampled_tokens_does_not_step():
         cfg = config.load(["--max_staleness=0", "--lr=0.01", f"--mini_batches={len(msgs[:keep])}"])
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         share = train.make_shares(msgs[:keep], [1.0] * keep, 1, cfg)[0]
-        norms = train.train_step(model, opt, share, cfg, 0, 1)[2]
+        norms = train.train_step(model, opt, share, cfg, 0, 1)[1]
         return torch.cat([p.detach().flatten() for p in model.parameters()]), norms
     one, _ = weights_after(1)
     two, norms = weights_after(2)
@@ -74,7 +74,7 @@ def test_a_teacher_of_another_depth_and_a_kl_reference_route_by_themselves():
         opd = cfg.advantage == "opd"
         vec = train.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), share, cfg, 0, 1,
                                ref=None if opd else frozen, teacher=frozen if opd else None)[0]
-        sums = train.reduce_metrics(vec, 0, 1)[0]
+        sums = train.reduce_metrics(vec, 1)[0]
         got = sums["distill_gap"] if opd else -sums["kl"]  # k1 = logp - ref_logp: -kl sums ref - old
         want = ((old - theirs) * mask).sum().item() if opd else ((theirs - old) * mask).sum().item()
         assert abs(got - want) < 1e-3, (args, got, want)
@@ -102,10 +102,11 @@ def test_an_episode_in_three_segments_counts_once_in_the_logged_means():
     """reward/mean and episode/* are means over episodes: the 3 segments of episode 0 (each a message that carries
     the episode's reward and info) count once, as in the baseline above."""
     episodes = [(0, 1.0), (0, 1.0), (0, 1.0), (1, 1.0), (2, 0.0), (3, 0.0)]
-    msgs = [{"index": i, "reward": r, "group": 0, "info": {"turns": 3.0 if i == 0 else 1.0}} for i, r in episodes]
+    msgs = [{"index": i, "reward": r, "group": 0, "info": {"turns": 3.0 if i == 0 else 1.0}, "versions": torch.tensor([-1, 0]),
+             "loss_mask": torch.tensor([0, 1])} for i, r in episodes]
     sums = dict.fromkeys(train.LOSS_KEYS + train.CONSISTENCY_KEYS, 1.0)
     stats = dict.fromkeys(rollout.COUNTS, 0)
-    m = train.step_metrics(1, msgs, sums, 0, [], [1.0], {"train": 1.0}, dict.fromkeys(
+    m = train.step_metrics(1, msgs, sums, [], [1.0], {"train": 1.0}, dict.fromkeys(
         ("skipped_steps", "dropped_stale", "filtered_groups"), 0), stats, 0.0)
     assert m["reward/mean"] == 0.5  # per segment: 4/6
     assert m["episode/turns"] == 1.5  # per segment: 12/6
