@@ -190,7 +190,7 @@ def _content(server, llm, msg, where):
             raise _error(f"{at}: a part is {{'type': 'text', 'text': ...}} or {{'type': 'image_url', 'image_url': "
                          "{'url': 'data:image/png;base64,...'}} (only data: URLs: a rollout has no network)", at)
         if not (c and c.vision):
-            raise _error(f"{at}: an image, but the engine takes none (a model without a vision tower, or vLLM)", at)
+            raise _error(f"{at}: an image, but the engine takes none (no vision tower, or vLLM)", at)
         f = c.vision["patch_size"] * c.vision["spatial_merge_size"]
         try:
             data = base64.b64decode(re.fullmatch(r"data:image/(?:png|jpeg);base64,(.*)", url, re.S)[1], validate=True)
