@@ -786,7 +786,7 @@ class ServerEngine:
     async def generate(self, ids, max_new_tokens=None, key=None, sampling=None, images=None) -> Completion:
         max_new = check_prompt(ids, self.vocab_size, self.max_len, max_new_tokens or self.max_new)
         sent, at = [*ids], -1
-        for h, w in map(self.c.grid, images or []):  # SGLang expands each image's one placeholder itself
+        for h, w in (self.c.grid(im) for im in images or []):  # SGLang expands each image's one placeholder itself
             at = sent.index(self.c.image_token_id, at + 1)  # its run of h * w becomes one
             del sent[at + 1:at + h * w]
         while self.shared_version is not None and self.shared_version.value != self.version:  # none on weights
