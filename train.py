@@ -63,17 +63,17 @@ def full_state(model, fsdp, changed=False, merged=True):
     merged=False; an empty dict on other ranks. changed: only the layers LoRA adapts (nothing else changes)."""
     lora = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     sd = {k: v for k, v in model.state_dict(keep_vars=True).items() if not changed or k.rpartition(".")[0] in lora}
-    if fsdp and dist.get_world_size() > 1:  # one all-gather of all shards, flat (one per tensor: ~0.7 ms on gloo),
-        # each padded to ceil(len / world) rows: FSDP2 splits dim 0 as torch.chunk, so only the last ranks hold fewer
+    if fsdp and dist.get_world_size() > 1:  # one gather of all shards to rank 0 alone, flat (one per tensor: ~0.7 ms
+        # on gloo), each padded to ceil(len / world) rows: FSDP2 splits dim 0 as torch.chunk (the last ranks hold fewer)
         world, unique = dist.get_world_size(), {id(v): v for v in sd.values()}  # a tied weight once
         n = {i: -(-len(v) // world) * math.prod(v.shape[1:]) for i, v in unique.items()}  # elements each rank sends
         flat = torch.cat([torch.nn.functional.pad(t := v.to_local().detach().flatten(), (0, n[i] - len(t)))
                           for i, v in unique.items()])
-        out = flat.new_empty(world * len(flat))
-        dist.all_gather_single(out, flat)
+        out = None if dist.get_rank() else flat.new_empty(world, len(flat))  # row r: rank r's shards
+        dist.gather(flat, None if out is None else list(out), dst=0)
         if dist.get_rank():
             return {}
-        parts = dict(zip(unique, out.cpu().view(world, -1).split(list(n.values()), 1)))  # (world, n[i]): rank r's row r
+        parts = dict(zip(unique, out.cpu().split(list(n.values()), 1)))  # (world, n[i]): rank r's row r
         sd = {k: parts[id(v)].flatten()[:v.numel()].view(v.shape) for k, v in sd.items()}
     sd = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu() for k, v in sd.items()}  # a group of one
     return merge_lora(model, sd)[0] if merged else sd

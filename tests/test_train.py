@@ -23,8 +23,8 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path, mode):
     one, two = one_and_two_ranks(tmp_path, *mode.split(), timeouts=(300, 120))
     same_tensors(one, two, ("grads", "weights", "published"))
     assert any(g.abs().max() > 0 for g in one["grads"].values())
-    # the publish's one flat all-gather (train.full_state) rebuilds every tensor as DTensor.full_tensor does, the
-    # 51-row embedding (split 26 / 25) and the lm_head tied to it too
+    # the publish's one flat gather to rank 0 (train.full_state) rebuilds every tensor as DTensor.full_tensor does,
+    # the 51-row embedding (split 26 / 25) and the lm_head tied to it too
     assert set(two["published"]) == set(two["weights"]) | {"lm_head.weight"}
     assert all(torch.equal(two["published"][k], w) for k, w in two["weights"].items())
     assert torch.equal(two["published"]["lm_head.weight"], two["weights"]["model.embed_tokens.weight"])
