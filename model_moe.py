@@ -331,11 +331,12 @@ class Transformer(nn.Module):
                 p.copy_(torch.ones_like(p) if one else torch.randn(p.shape, generator=g, device=g.device) * std)
         return self
 
-    def forward(self, ids, positions=None, pad_mask=None, cache=None, slots=None, routing=None,
+    def forward(self, ids, positions=None, segments=None, cache=None, slots=None, routing=None,
                 return_routing=False, images=None, logits_at=None, aux_mask=None, rope_shift=None):
         """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)]. positions (B, T): default 0..T-1.
-        pad_mask (B, T) bool: False on (left or right) padding. routing: experts to replay. cache/slots: KVCache and
-        each row's slot (B,); tokens are written at their positions, attend to all at or before them in their slot.
+        segments (B, T): a token sees the earlier ones of its segment and of segment 0 (train.packed_rows: a shared
+        prompt, then each episode's rest); padding as -1 is invisible (left or right). routing: experts to replay.
+        cache/slots: KVCache and each row's slot (B,); tokens go at their positions, see all at or before in their slot.
         images: (C, H, W) floats in [0, 1], in row-major order of their placeholders (ModelConfig.grid's h * w each).
         rope_shift (B,): added to positions (the M-RoPE offset of images before them: the engine's decode).
         logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them).
@@ -369,8 +370,8 @@ class Transformer(nn.Module):
                 torch.arange(n_keys, device=ids.device) > positions[..., None], -torch.inf)  # additive
         else:
             mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril().expand(B, T, T)
-            if pad_mask is not None:  # padding keys are invisible; a token always sees itself (no empty rows)
-                mask = (mask & pad_mask[:, None, :].bool()) | torch.eye(T, dtype=torch.bool, device=ids.device)
+            if segments is not None:  # a token always sees itself (no empty rows)
+                mask = mask & ((segments[:, None, :] == segments[:, :, None]) | (segments[:, None, :] == 0))
         mask = mask[:, None]  # (B, 1, T, n_keys)
         routes = []  # each MoE layer's experts (B, T, top_k); routing[len(routes)] is the next MoE layer's
         for i, layer in enumerate(self.model.layers):

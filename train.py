@@ -17,6 +17,7 @@ Launch:
   python train.py --config configs/guess.py                                    # one process
   torchrun --standalone --nproc_per_node=2 train.py --config configs/guess.py  # FSDP2 over 2 ranks"""
 import datetime
+import itertools
 import json
 import math
 import os
@@ -169,17 +170,47 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, crit
 
 
 def collate(msgs, device):
-    """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k), -1 padded; images, row order."""
+    """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k), -1 padded; images, row order.
+    "packed": the forward's rows, where a group's episodes share their prompt (packed_rows)."""
     for m in msgs:  # token identity: we train what was sampled
         if not torch.equal(m["ids"][m["loss_mask"].bool()], m["engine_ids"]):
             raise AssertionError(f"episode {m['index']}: trained token ids differ from the engine's sampled ids")
 
     def pad(key, value):
         return torch.nn.utils.rnn.pad_sequence([m[key] for m in msgs], batch_first=True, padding_value=value).to(device)
-    return {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
-            "rollout_logp": pad("logprobs", 0.0),  # routing: (B, T, L, k) -> (L, B, T, k)
-            "routing": pad("routing", -1).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None,
-            "index": [m["index"] for m in msgs], "images": [x.to(device) for m in msgs for x in m.get("images") or ()]}
+    b = {"ids": pad("ids", 0), "loss_mask": pad("loss_mask", 0).float(), "versions": pad("versions", -1),
+         "rollout_logp": pad("logprobs", 0.0),  # routing: (B, T, L, k) -> (L, B, T, k)
+         "routing": pad("routing", -1).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None,
+         "index": [m["index"] for m in msgs], "images": [x.to(device) for m in msgs for x in m.get("images") or ()]}
+    return b | {"packed": {} if b["images"] else packed_rows(msgs, device)}
+
+
+def shared_prompt(ms):
+    """-> how many first tokens all of ms have alike (ids, replayed experts), none trained nor predicting one"""
+    n = min(len(m["ids"]) for m in ms) - 1
+    same = torch.stack([(m["ids"][:n] == ms[0]["ids"][:n]) & (m["loss_mask"][1:n + 1] == 0) for m in ms]).all(0)
+    if ms[0]["routing"] is not None:
+        same &= torch.stack([(m["routing"][:n] == ms[0]["routing"][:n]).flatten(1).all(1) for m in ms]).all(0)
+    return int(same.cumprod(0).sum())
+
+
+def packed_rows(msgs, device):
+    """The forward's rows: a group's episodes (consecutive in msgs) that share a prompt (shared_prompt) at least as
+    long as their rests go in one row, the prompt once, then each rest as segment 1, 2, ... seeing the prompt and itself
+    at its own positions; "at": before each trained token, in msgs' order. Same logits, ~n x fewer tokens; {}: none."""
+    rows = []
+    for ms in (list(run) for _, run in itertools.groupby(msgs, key=lambda m: m.get("group"))):
+        P = shared_prompt(ms)
+        rows += [(ms, P)] if P * len(ms) >= sum(len(m["ids"]) - P for m in ms) else [([m], 0) for m in ms]
+
+    def cat(value, f):  # f(message, segment) over each row: the prompt (segment 0) once, then each one's rest
+        return torch.nn.utils.rnn.pad_sequence([torch.cat([f(ms[0], 0)[:P], *(f(m, s + 1)[P:] for s, m in enumerate(
+            ms))]) for ms, P in rows], batch_first=True, padding_value=value).to(device)
+    return {} if len(rows) == len(msgs) else {
+        "ids": cat(0, lambda m, s: m["ids"]), "positions": cat(0, lambda m, s: torch.arange(len(m["ids"]))),
+        "at": cat(False, lambda m, s: torch.nn.functional.pad(m["loss_mask"][1:] != 0, (0, 1))),
+        "segments": cat(-1, lambda m, s: torch.full_like(m["ids"], s)),
+        "routing": cat(-1, lambda m, s: m["routing"]).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None}
 
 
 # An empty micro-batch (split_batch) still runs, the reference's forward too, on two untrained tokens: it adds exactly 0
@@ -188,14 +219,16 @@ EMPTY = {"ids": torch.zeros(2, dtype=torch.long), "loss_mask": torch.zeros(2), "
 
 
 def split_batch(msgs, advantages, world, budget):
-    """The episodes of one update -> per rank, a list of micro-batches of (msg, advantage) pairs. Sorted by length
-    and dealt in turn: the ranks get similar work, a micro-batch pads little and holds at most `budget` padded tokens
+    """The episodes of one update -> per rank, micro-batches of (msg, advantage) pairs: sorted by length, a group's
+    together (packed_rows), dealt in turn (similar work per rank, little padding), each at most `budget` padded tokens
     (or one episode). Every rank gets as many micro-batches (some maybe empty): FSDP's collectives pair up."""
     pairs = sorted(zip(msgs, advantages), key=lambda p: -len(p[0]["ids"]))
+    first = {m["group"]: i for i, (m, _) in reversed(list(enumerate(pairs)))}  # where each group's longest is
+    pairs.sort(key=lambda p: first[p[0]["group"]])  # stable: each group's longest first
     ranks = [[] for _ in range(world)]
     for r, mbs in enumerate(ranks):
         for p in pairs[r::world]:
-            if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0][0]["ids"]) <= budget:
+            if mbs and (len(mbs[-1]) + 1) * max(len(q[0]["ids"]) for q in mbs[-1] + [p]) <= budget:
                 mbs[-1].append(p)
             else:
                 mbs.append([p])
@@ -233,8 +266,10 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
     (temperature, top-k, top-p; filtered=False: temperature only: a KL to a reference compares models, not samplers)."""
     sel, ids = b["loss_mask"][:, 1:].bool(), b["ids"]  # token t is predicted at position t-1
     at = torch.nn.functional.pad(sel, (0, 1))
-    if logits is None:
-        logits = model(ids, routing=b["routing"], images=b["images"], logits_at=at, aux_mask=at).float()
+    if logits is None:  # packed: the same logits, in the same order, from rows that hold each shared prompt once
+        f = b.get("packed") or {"ids": ids, "at": at, "routing": b["routing"]}
+        logits = model(f["ids"], f.get("positions"), routing=f["routing"] if b["routing"] is not None else None,
+                       images=b["images"], logits_at=f["at"], aux_mask=f["at"], segments=f.get("segments")).float()
     k, p = (cfg.top_k, cfg.top_p) if filtered else (0, 1.0)
     logp = rollout.filtered_logp(logits, temperature=cfg.temperature, top_k=k, top_p=p)
     # a token outside the filter of these weights (a stale one) has probability 0: a finite floor, no gradient

@@ -171,7 +171,7 @@ def test_qwen3_vl_matches_transformers_on_cuda(tmp_path, monkeypatch, moe):
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask, pixel_values=pixels.cuda(), image_grid_thw=grids.cuda(),
                  mm_token_type_ids=(ids == hf.config.image_token_id).int()).logits
-        out = ours(ids, pad_mask=mask.bool(), images=[im.cuda() for im in images])
+        out = ours(ids, segments=mask.long() - 1, images=[im.cuda() for im in images])
     diff = (ref - out)[mask.bool()].abs().max().item()
     assert diff <= 1e-4 * max(1.0, ref.abs().max().item()), diff
 

@@ -137,3 +137,66 @@ def test_collate_refuses_ids_that_differ_from_the_sampled_ones():
         wrong[5]["engine_ids"] = bad(wrong[5]["engine_ids"])
         with pytest.raises(AssertionError, match="episode 5: trained token ids differ from the engine's sampled ids"):
             train.collate(wrong, torch.device("cpu"))
+
+
+def prompt_msgs(model, prompt=10, n=9, seed=2):
+    """n episodes in GRPO groups of 3, each group's sharing a prompt of `prompt` tokens (none trained), then an answer
+    of 2-5 tokens, some trained: a GRPO group of short answers to one prompt (experts recorded per episode)."""
+    g, msgs = torch.Generator().manual_seed(seed), []
+    for i in range(n):
+        if i % 3 == 0:
+            head = torch.randint(0, 49, (prompt,), generator=g)
+        ids = torch.cat([head, torch.randint(0, 49, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)])
+        mask = torch.cat([torch.zeros(prompt, dtype=torch.long), (torch.rand(len(ids) - prompt, generator=g) < .7)])
+        mask[-1] = 1
+        with torch.no_grad():
+            routing = model(ids[None], return_routing=True)[1][:, 0].transpose(0, 1).short()  # (T, L, k)
+        msgs.append({"ids": ids, "loss_mask": mask.long(), "versions": torch.where(mask == 1, 0, -1),
+                     "routing": routing, "logprobs": -torch.rand(len(ids), generator=g) * mask,
+                     "engine_ids": ids[mask == 1], "reward": float(i % 2), "group": i // 3, "index": i, "info": {},
+                     "images": []})
+    return msgs
+
+
+@pytest.mark.parametrize("args", [[], ["--policy_loss=gspo"], ["--correction=seq_mis"], ["--entropy_coef=0.05"],
+                                  ["--aggregation=seq_mean_token_mean"], ["--kl_coef=0.3", "--kl_estimator=k3"]],
+                         ids=lambda a: ",".join(a) or "default")
+def test_a_group_sharing_a_prompt_is_one_row_with_the_same_loss_and_gradient(args):
+    """collate packs a group's episodes that share a prompt into one row (the prompt once): the forward computes
+    fewer tokens, and every loss, sequence-level ones too, and its gradient are those of one row per episode."""
+    cfg = config.load(["--max_staleness=0", "--grad_clip=1e9", "--micro_batch_tokens=4096", *args])
+    model, ref = tiny_setup()[0], tiny_setup(seed=1)[0].requires_grad_(False)
+    msgs = prompt_msgs(model)
+    b = train.collate(msgs, torch.device("cpu"))
+    assert b["packed"]["ids"].numel() < 0.6 * b["ids"].numel()  # 3 rows of 9 + 3 answers, not 9 of 12-15
+    adv = torch.tensor([1.0, -0.5, 2.0, 0.0, -1.5, 0.7, -0.2, 1.1, 0.3])
+    counts = (float(sum(m["loss_mask"][1:].sum() for m in msgs)), float(len(msgs)))
+    out = []
+    for packed in (True, False):
+        net, bb = copy.deepcopy(model), dict(b) if packed else {k: v for k, v in b.items() if k != "packed"}
+        if cfg.kl_coef:
+            bb["ref_logp"] = train.token_logp(ref, bb | {"routing": None}, cfg, filtered=False)[1]
+        loss, m, _ = train.micro_loss(net, bb, cfg, counts, adv, 1)
+        loss.backward()
+        out.append((loss.detach(), m, grads_of(net)))
+    (l1, m1, g1), (l2, m2, g2) = out
+    assert abs(l1 - l2) < 1e-6 and torch.allclose(m1[:7], m2[:7], atol=1e-5), (l1, l2, m1, m2)
+    assert torch.allclose(g1, g2, atol=1e-6, rtol=1e-5)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # and through train_step, against the loss by hand
+    if not args:
+        mine = copy.deepcopy(model)
+        expected = reference(mine, msgs, cfg, adv.tolist())
+        expected.backward()
+        vec, _ = train.train_step(model, opt, train.make_shares(msgs, adv.tolist(), 1, cfg)[0], cfg, 0, 1)
+        assert abs(train.reduce_metrics(vec, 1)[0]["loss"] - expected.item()) < 1e-5
+        assert torch.allclose(grads_of(model), grads_of(mine), atol=1e-5, rtol=1e-4)
+
+
+def test_a_shared_prompt_stops_before_a_trained_token_and_where_experts_differ():
+    model = tiny_setup()[0]
+    msgs = prompt_msgs(model)[:3]
+    assert train.shared_prompt(msgs) == 9  # the 10-token prompt less its last: each answer's first is predicted there
+    msgs[1]["loss_mask"][7] = 1  # a trained token at 7: shared are 0..5, the logits of 6 are this episode's
+    assert train.shared_prompt(msgs) == 6
+    msgs[2]["routing"][3, 0, 0] = (msgs[2]["routing"][3, 0, 0] + 1) % 4  # other experts replayed at 3
+    assert train.shared_prompt(msgs) == 3

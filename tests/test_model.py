@@ -52,7 +52,7 @@ def test_parity_with_transformers(tmp_path, moe, tied, gqa, norm_topk):
     ids, mask, pos = padded_batch()
     with torch.no_grad():
         ref = hf(ids, attention_mask=mask, position_ids=pos).logits
-        out = ours(ids, positions=pos, pad_mask=mask.bool())
+        out = ours(ids, positions=pos, segments=mask.long() - 1)
     assert out.shape == (3, 9, V)
     diff = (ref - out)[mask.bool()].abs().max().item()
     assert diff <= 1e-4, diff
@@ -198,12 +198,12 @@ def test_llama_and_qwen2_parity_and_round_trip(tmp_path, family, tied, kw):
     ids, mask, pos = padded_batch(2)
     with torch.no_grad():
         ref = hf(ids, attention_mask=mask, position_ids=pos).logits
-        out = ours(ids, positions=pos, pad_mask=mask.bool())
+        out = ours(ids, positions=pos, segments=mask.long() - 1)
     assert (ref - out)[mask.bool()].abs().max() <= 1e-4
     if "rope_parameters" in kw:  # the scaled frequencies matter at these positions: plain RoPE would not pass
         ours.config.rope_scaling = None
         with torch.no_grad():
-            assert (ref - ours(ids, positions=pos, pad_mask=mask.bool()))[mask.bool()].abs().max() > 1e-3
+            assert (ref - ours(ids, positions=pos, segments=mask.long() - 1))[mask.bool()].abs().max() > 1e-3
         ours.config.rope_scaling = {k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")}
     ours.save_pretrained(str(tmp_path / "b"))  # and back: transformers loads what we write, same class, same logits
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b")).float().eval()
@@ -283,7 +283,7 @@ def test_qwen3_moe_from_gguf_and_back_to_transformers(tmp_path, tok):
     ids, mask, pos = padded_batch(3)
     with torch.no_grad():
         ref = hf(ids, attention_mask=mask, position_ids=pos).logits
-        assert (ref - ours(ids, positions=pos, pad_mask=mask.bool()))[mask.bool()].abs().max() <= 1e-4
+        assert (ref - ours(ids, positions=pos, segments=mask.long() - 1))[mask.bool()].abs().max() <= 1e-4
     ours.save_pretrained(str(tmp_path / "ours"))
     assert "model.layers.1.mlp.experts.5.gate_proj.weight" in load_file(str(tmp_path / "ours" / "model.safetensors"))
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours")).float().eval()
@@ -332,7 +332,7 @@ def test_smollm2_logits_match_transformers(smol):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         ref = hf(ids, attention_mask=mask, position_ids=pos).logits
-        out = ours(ids, positions=pos, pad_mask=mask.bool())
+        out = ours(ids, positions=pos, segments=mask.long() - 1)
     assert (ref - out)[mask.bool()].abs().max() <= 1e-4
 
 

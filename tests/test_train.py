@@ -31,18 +31,22 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path, mode):
 
 
 def test_split_batch_gives_every_rank_as_many_micro_batches_within_the_budget():
-    """FSDP pairs the ranks' collectives forward by forward: unequal micro-batch counts would hang."""
+    """FSDP pairs the ranks' collectives forward by forward: unequal micro-batch counts would hang. A group's
+    episodes stay together (train.pack shares their prompt), longest first."""
     import train
     lengths = [5, 40, 7, 33, 12, 90, 8, 8, 21]
-    msgs = [{"ids": torch.zeros(n), "index": i} for i, n in enumerate(lengths)]
+    msgs = [{"ids": torch.zeros(n), "index": i, "group": i // 3} for i, n in enumerate(lengths)]
     ranks = train.split_batch(msgs, list(range(len(msgs))), 2, budget=64)
     assert len(ranks[0]) == len(ranks[1]) == 3
-    assert sum(not mb for mbs in ranks for mb in mbs) == 1  # rank 1 filled up with an empty one
+    few = train.split_batch(msgs[:3], [0, 1, 2], 2, budget=8)  # 2 micro-batches on rank 0, 1 on rank 1
+    assert len(few[0]) == len(few[1]) == 2 and sum(not mb for mbs in few for mb in mbs) == 1  # filled up: an empty one
     assert sorted(a for mbs in ranks for mb in mbs for _, a in mb) == list(range(len(msgs)))  # each once
     for mbs in ranks:
         for mb in mbs:
             assert all(m["index"] == a for m, a in mb)  # with its own advantage
             assert len(mb) <= 1 or len(mb) * max(len(m["ids"]) for m, _ in mb) <= 64
+    dealt = [[m["group"] for mb in mbs for m, _ in mb] for mbs in ranks]  # each rank's, in order
+    assert dealt == [[1, 1, 0, 2, 2], [1, 0, 0, 2]]  # groups by their longest: 1 (90), 0 (40), 2 (21)
 
 
 def run_train(out, *args, timeout=600):

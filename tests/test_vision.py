@@ -83,7 +83,7 @@ def test_parity_with_transformers(tmp_path, moe):
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids,
                  mm_token_type_ids=(ids == PAD).int()).logits
-        out = ours(ids, pad_mask=mask.bool(), images=images)
+        out = ours(ids, segments=mask.long() - 1, images=images)
     diff = (ref - out)[mask.bool()].abs().max().item()
     assert diff <= 1e-5, diff
     with pytest.raises(ValueError, match=r"13 image placeholders .* for 2 images of \[4, 3\] tokens"):
