@@ -23,7 +23,7 @@ from test_train import ENV, ROOT, metrics, run_train
 
 def test_mini_batches_are_split_evenly_and_never_empty():
     cfg = config.load(["--mini_batches=4", "--prompts_per_step=3", "--group_size=3"])
-    msgs = [{"ids": torch.zeros(5), "loss_mask": torch.ones(5), "index": i} for i in range(9)]
+    msgs = [{"ids": torch.zeros(5), "loss_mask": torch.ones(5), "index": i, "group": i // 3} for i in range(9)]
     counts = train.make_shares(msgs, [0.0] * 9, 1, cfg)[0]["counts"]
     assert sorted(n for _, n in counts) == [2, 2, 2, 3]  # ceiling division gave 3, 3, 3, 0
     counts = train.make_shares(msgs[:3], [0.0] * 3, 1, cfg)[0]["counts"]
