@@ -182,9 +182,8 @@ def test_a_group_sharing_a_prompt_is_one_row_with_the_same_loss_and_gradient(arg
     (l1, m1, g1), (l2, m2, g2) = out
     assert abs(l1 - l2) < 1e-6 and torch.allclose(m1[:7], m2[:7], atol=1e-5), (l1, l2, m1, m2)
     assert torch.allclose(g1, g2, atol=1e-6, rtol=1e-5)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # and through train_step, against the loss by hand
-    if not args:
-        mine = copy.deepcopy(model)
+    if not args:  # and through train_step, against the loss by hand
+        opt, mine = torch.optim.SGD(model.parameters(), lr=1e-3), copy.deepcopy(model)
         expected = reference(mine, msgs, cfg, adv.tolist())
         expected.backward()
         vec, _ = train.train_step(model, opt, train.make_shares(msgs, adv.tolist(), 1, cfg)[0], cfg, 0, 1)

@@ -32,7 +32,7 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path, mode):
 
 def test_split_batch_gives_every_rank_as_many_micro_batches_within_the_budget():
     """FSDP pairs the ranks' collectives forward by forward: unequal micro-batch counts would hang. A group's
-    episodes stay together (train.pack shares their prompt), longest first."""
+    episodes stay together (train.packed_rows shares their prompt), longest first."""
     import train
     lengths = [5, 40, 7, 33, 12, 90, 8, 8, 21]
     msgs = [{"ids": torch.zeros(n), "index": i, "group": i // 3} for i, n in enumerate(lengths)]
