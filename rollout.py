@@ -116,7 +116,7 @@ class _Request:
     versions: list
     slot: int = -1
     key: tuple = ()  # (episode, call): with the seed and a token's position, what its random draw is a function of
-    images: list | None = None  # (C, H, W) each, for the prompt's placeholders; used by prefills only
+    images: list | None = None  # (C, H, W) each on the CPU, for the prompt's placeholders; used by prefills only
     shift: int = 0  # M-RoPE: a decoded position turns this much more than its index (a prefill has the images)
     sampling: tuple = ()  # an evaluation's (key, value) pairs over the engine's temperature, top_p
 
@@ -146,7 +146,7 @@ class TorchEngine:
         """images: (C, H, W) each, one per run of placeholders in ids (checked by Policy.generate)."""
         max_new = check_prompt(ids, self.c.vocab_size, self.max_len, max_new_tokens or self.max_new)
         req = _Request(list(ids), len(ids), max_new, asyncio.get_running_loop().create_future(), [], [],
-                       images=None if images is None else [im.to(self.cache.k.device) for im in images],
+                       images=None if images is None else [im.cpu() for im in images],
                        shift=sum(max(h, w) - h * w for h, w in map(self.c.grid, images or [])),
                        key=key or (-1, next(self.requests)), sampling=tuple(sorted((sampling or {}).items())))
         self.waiting.append(req)
@@ -176,7 +176,7 @@ class TorchEngine:
             ids = torch.tensor([ch + [0] * (T - len(ch)) for ch in chunks[i:i + n]], device=dev)  # (b, T), right-padded
             pos = torch.tensor(starts)[:, None] + torch.arange(T)  # (b, T); padding continues them: past the row
             slots = torch.tensor([r.slot for r in group])  # (b,)
-            images = [im for r in group for im in r.images or ()] if prefill else []
+            images = [im.to(dev) for r in group for im in r.images or ()] if prefill else []
             last = torch.arange(T) == (lens - 1)[:, None]  # (b, T): each row's last token
             logit, routing = self.model(ids, positions=pos.to(dev), cache=self.cache, slots=slots.to(dev),
                                         return_routing=True, images=images, logits_at=last.to(dev) & logits,
@@ -203,9 +203,9 @@ class TorchEngine:
                 self.active[r.slot] = r
                 if self.routing is not None:
                     self.routing[r.slot] = -1  # forget the previous occupant's experts
-            if new:  # prefill: the whole prompt of each new row; sample its first token. Equal prompts without images
-                lead = {}  # (a GRPO group's) are computed once, its keys, values and experts copied to the others
-                src = [lead.setdefault(tuple(r.ids) if r.images is None else id(r), r) for r in new]
+            if new:  # prefill: the whole prompt of each new row; sample its first token. Equal prompts and images (a
+                lead = {}  # GRPO group's) are computed once, its keys, values and experts copied to the others
+                src = [lead.setdefault((*r.ids, *(im.numpy().tobytes() for im in r.images or ())), r) for r in new]
                 logits = self._forward(uniq := [*lead.values()], [r.ids for r in uniq], [0] * len(uniq), prefill=True)
                 if dup := [(r.slot, s.slot) for r, s in zip(new, src) if r is not s]:
                     (d, s), n = map(list, zip(*dup)), max(len(r.ids) for r in new)
@@ -379,8 +379,9 @@ PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids")  
 
 def pack(group):
     """A group's messages -> one queue item, tensor fields concatenated over the episodes as numpy arrays: pickled by
-    value (a shared-memory tensor passes a file descriptor over a socket, ~0.5 ms each). Images stay tensors."""
-    item = {"msgs": [{k: v for k, v in m.items() if k not in PACKED} for m in group]}
+    value (a shared-memory tensor passes a file descriptor over a socket, ~0.5 ms each); images as arrays."""
+    item = {"msgs": [{k: [im.numpy() for im in v] if k == "images" else v for k, v in m.items() if k not in PACKED}
+                     for m in group]}
     for k in PACKED:
         kept = [m[k] for m in group if m[k] is not None]
         item[k] = torch.cat(kept).numpy() if kept else None, [-1 if m[k] is None else len(m[k]) for m in group]
@@ -389,13 +390,12 @@ def pack(group):
 
 def unpack(item):
     """pack's inverse: the group's messages (their tensors are views of the arrays)."""
-    msgs = item["msgs"]
     for k in PACKED:
         t, sizes = item[k]
         parts = iter(torch.from_numpy(t).split([s for s in sizes if s >= 0]) if t is not None else ())
-        for m, s in zip(msgs, sizes):
+        for m, s in zip(item["msgs"], sizes):
             m[k] = next(parts) if s >= 0 else None
-    return msgs
+    return [m | {"images": [torch.from_numpy(im) for im in m["images"]]} for m in item["msgs"]]
 
 
 def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, state):

@@ -169,7 +169,7 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, crit
 # ---- batches: episodes -> padded tensors ----
 
 
-def collate(msgs, device):
+def collate(msgs, device, image_token=-1):
     """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k), -1 padded; images, row order.
     "packed": the forward's rows, where a group's episodes share their prompt (packed_rows)."""
     for m in msgs:  # token identity: we train what was sampled
@@ -182,25 +182,28 @@ def collate(msgs, device):
          "rollout_logp": pad("logprobs", 0.0),  # routing: (B, T, L, k) -> (L, B, T, k)
          "routing": pad("routing", -1).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None,
          "index": [m["index"] for m in msgs], "images": [x.to(device) for m in msgs for x in m.get("images") or ()]}
-    return b | {"packed": {} if b["images"] else packed_rows(msgs, device)}
+    return b | {"packed": packed_rows(msgs, device, image_token)}
 
 
-def shared_prompt(ms):
-    """-> how many first tokens all of ms have alike (ids, replayed experts), none trained nor predicting one"""
-    n = min(len(m["ids"]) for m in ms) - 1
+def shared_prompt(ms, image_token=-1):
+    """-> how many first tokens all of ms have alike (ids, replayed experts, images), none trained nor predicting one;
+    0 where an image's placeholders lie past them (M-RoPE moves all positions after an image)"""
+    n, images = min(len(m["ids"]) for m in ms) - 1, [m.get("images") or [] for m in ms]
     same = torch.stack([(m["ids"][:n] == ms[0]["ids"][:n]) & (m["loss_mask"][1:n + 1] == 0) for m in ms]).all(0)
     if ms[0]["routing"] is not None:
         same &= torch.stack([(m["routing"][:n] == ms[0]["routing"][:n]).flatten(1).all(1) for m in ms]).all(0)
-    return int(same.cumprod(0).sum())
+    P = int(same.cumprod(0).sum())
+    alike = all(len(x) == len(images[0]) and all(map(torch.equal, x, images[0])) for x in images)
+    return P if alike and not any((m["ids"][P:] == image_token).any() for m in ms) else 0
 
 
-def packed_rows(msgs, device):
+def packed_rows(msgs, device, image_token=-1):
     """The forward's rows: a group's episodes (consecutive in msgs) that share a prompt (shared_prompt) at least as
     long as their rests go in one row, the prompt once, then each rest as segment 1, 2, ... seeing the prompt and itself
     at its own positions; "at": before each trained token, in msgs' order. Same logits, ~n x fewer tokens; {}: none."""
     rows = []
     for ms in (list(run) for _, run in itertools.groupby(msgs, key=lambda m: m.get("group"))):
-        P = shared_prompt(ms)
+        P = shared_prompt(ms, image_token)
         rows += [(ms, P)] if P * len(ms) >= sum(len(m["ids"]) - P for m in ms) else [([m], 0) for m in ms]
 
     def cat(value, f):  # f(message, segment) over each row: the prompt (segment 0) once, then each one's rest
@@ -210,6 +213,7 @@ def packed_rows(msgs, device):
         "ids": cat(0, lambda m, s: m["ids"]), "positions": cat(0, lambda m, s: torch.arange(len(m["ids"]))),
         "at": cat(False, lambda m, s: torch.nn.functional.pad(m["loss_mask"][1:] != 0, (0, 1))),
         "segments": cat(-1, lambda m, s: torch.full_like(m["ids"], s)),
+        "images": [x.to(device) for ms, _ in rows for x in ms[0].get("images") or ()],
         "routing": cat(-1, lambda m, s: m["routing"]).permute(2, 0, 1, 3) if msgs[0]["routing"] is not None else None}
 
 
@@ -267,9 +271,9 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
     sel, ids = b["loss_mask"][:, 1:].bool(), b["ids"]  # token t is predicted at position t-1
     at = torch.nn.functional.pad(sel, (0, 1))
     if logits is None:  # packed: the same logits, in the same order, from rows that hold each shared prompt once
-        f = b.get("packed") or {"ids": ids, "at": at, "routing": b["routing"]}
+        f = b.get("packed") or {"ids": ids, "at": at, "routing": b["routing"], "images": b["images"]}
         logits = model(f["ids"], f.get("positions"), routing=f["routing"] if b["routing"] is not None else None,
-                       images=b["images"], logits_at=f["at"], aux_mask=f["at"], segments=f.get("segments")).float()
+                       images=f["images"], logits_at=f["at"], aux_mask=f["at"], segments=f.get("segments")).float()
     k, p = (cfg.top_k, cfg.top_p) if filtered else (0, 1.0)
     logp = rollout.filtered_logp(logits, temperature=cfg.temperature, top_k=k, top_p=p)
     # a token outside the filter of these weights (a stale one) has probability 0: a finite floor, no gradient
@@ -345,8 +349,8 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
     critic: (value model, its optimizer), trained beside the policy, with gae (whose "advantages" are the rewards).
     -> (this rank's summed metrics, LOSS_KEYS + CONSISTENCY_KEYS + histogram; gradient norms)"""
     device = torch.device("cuda") if cfg.cpu_offload else next(model.parameters()).device  # offload: on CPU
-    batches = [[(collate([m for m, _ in mb] or [EMPTY], device), torch.tensor([a for _, a in mb] or [0.0]).to(device))
-                for mb in mini] for mini in share["mini_batches"]]
+    batches = [[(collate([m for m, _ in mb] or [EMPTY], device, model.config.image_token_id),
+                 torch.tensor([a for _, a in mb] or [0.]).to(device)) for mb in mini] for mini in share["mini_batches"]]
     several = cfg.ppo_epochs * len(batches) > 1
     critic, copt = critic or (None, None)
     with torch.no_grad():  # ---- recompute: what the batch is scored against, before any update ----
@@ -441,7 +445,7 @@ def step_metrics(step, msgs, s, hist, norms, times, counters, stats, rollout_rat
 
 def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp, critic=None):
     full, state["adapters"] = merge_lora(model, full_state(model, fsdp, merged=False))  # (state: this save's copy)
-    optim = lambda m, o: get_optimizer_state_dict(m, o, options=FULL) if fsdp else o.state_dict()
+    optim = lambda m, o: get_optimizer_state_dict(m, o, options=FULL)  # keyed by parameter name, FSDP or not
     osd = optim(model, opt)
     if critic is not None:
         state["critic"], state["critic_optimizer"] = full_state(critic[0], fsdp, merged=False), optim(*critic)
@@ -464,7 +468,7 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp, critic=No
         dist.barrier()
 
 
-def load_trainer_state(saved, model, opt, fsdp, critic=None):
+def load_trainer_state(saved, model, opt, critic=None):
     """saved: trainer.pt's dict, empty or None for a fresh start -> all but the weights (step, data position, counters);
     restores opt and rng (and the critic's optimizer; build_model restored its weights)."""
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
@@ -472,10 +476,7 @@ def load_trainer_state(saved, model, opt, fsdp, critic=None):
     if saved:
         state.pop("critic", None)
         for m, o, key in [(model, opt, "optimizer")] + ([(*critic, "critic_optimizer")] if critic else []):
-            if fsdp:
-                set_optimizer_state_dict(m, o, state.pop(key), options=StateDictOptions(full_state_dict=True))
-            else:
-                o.load_state_dict(state.pop(key))
+            set_optimizer_state_dict(m, o, state.pop(key), options=StateDictOptions(full_state_dict=True))
         torch.set_rng_state(state.pop("rng"))
     return state | {"counters": counters | state.get("counters", {}) | (state.get("resume") or {}).get("counters", {})}
 
@@ -506,8 +507,7 @@ class Logger:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
         open(self.path, "w").writelines(x for x in lines if cfg.eval_only or json.loads(x)["step"] <= step)
-        with open(os.path.join(os.path.dirname(self.path), "config.json"), "w") as f:  # closed: others read it now
-            json.dump(vars(cfg), f, indent=2)
+        open(os.path.join(os.path.dirname(self.path), "config.json"), "w").write(json.dumps(vars(cfg), indent=2))
         if cfg.wandb_project:
             import wandb
             run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
@@ -627,7 +627,7 @@ def main(argv=None):
     gae = cfg.advantage == "gae" and not cfg.eval_only  # critic: (the value model, its optimizer); saved: its weights
     net = gae and build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=saved.get("critic"), critic=True)
     critic = (net, adamw(net.parameters(), cfg.critic_lr)) if gae else None
-    state = load_trainer_state(None if cfg.eval_only else saved, model, opt, fsdp, critic)  # what checkpoints carry on
+    state = load_trainer_state(None if cfg.eval_only else saved, model, opt, critic)  # what checkpoints carry on
     step, counters = (saved or state)["step"], state["counters"]  # eval_only: the checkpoint's step, no optimizer
     weights = full_state(model, fsdp)
     changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes

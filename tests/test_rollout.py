@@ -1,5 +1,6 @@
 """The embedded torch engine: what it samples, what it records, and how it batches and swaps weights."""
 import asyncio
+import json
 import math
 import os
 import sys
@@ -431,16 +432,20 @@ def test_publish_does_not_hang_on_the_lock_of_a_dead_rollout_process():
 
 
 def test_pack_unpack_round_trip_with_missing_fields():
-    """A group crosses the queue as one item (a tensor per field); episodes without routing keep None."""
-    def msg(n, fill, routing):
+    """A group crosses the queue as one item (an array per field, images as arrays: no tensor, whose storage would pass
+    a file descriptor each); episodes without routing keep None."""
+    def msg(n, fill, routing, images):
         return {"engine_ids": torch.tensor([1, 2][:n % 3]), "ids": torch.full((n,), fill), "loss_mask": torch.ones(n),
                 "versions": torch.zeros(n, dtype=torch.long), "logprobs": -torch.rand(n), "routing": routing,
-                "reward": 1.0, "index": fill}
-    group = [msg(5, 0, None), msg(7, 1, torch.rand(7, 2, 1))]
+                "reward": 1.0, "index": fill, "images": images}
+    group = [msg(5, 0, None, []), msg(7, 1, torch.rand(7, 2, 1), [torch.rand(3, 8, 16), torch.rand(3, 16, 8)])]
     item = rollout.pack([dict(m) for m in group])
     assert item["ids"][0].shape == (12,) and item["routing"][0].shape == (7, 2, 1)
+    tensors = []  # every leaf that json cannot write: arrays (by value), or tensors
+    json.dumps(item, default=lambda o: tensors.append(o) if torch.is_tensor(o) else o.tolist())
+    assert not tensors
     for a, b in zip(group, rollout.unpack(item)):
         assert a.keys() == b.keys()
         for k in a:
-            assert (b[k] is None) if a[k] is None else \
-                torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+            assert (b[k] is None) if a[k] is None else torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else \
+                all(map(torch.equal, a[k], b[k])) and len(a[k]) == len(b[k]) if k == "images" else a[k] == b[k]

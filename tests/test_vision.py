@@ -1,6 +1,7 @@
 """Images through model, engine, agent and trainer: splicing, text-only parity, mismatch, replay, bad input."""
 import asyncio
 import base64
+import copy
 import io
 import json
 import os
@@ -157,14 +158,14 @@ async def shapes_agent(task, llm):
     return ep
 
 
-def count_episodes(tok, engine, n=8, max_turns=3, swap=None):
-    """n episodes (max_turns images each) on the engine; swap=(steps, model): new weights (version 1)
-    after that many engine steps, while rows are in flight."""
+def count_episodes(tok, engine, n=8, max_turns=3, swap=None, group=1):
+    """n episodes (max_turns images each) on the engine, each `group` consecutive ones with the same images;
+    swap=(steps, model): new weights (version 1) after that many engine steps, while rows are in flight."""
     async def main():
         async def one(i):
             llm = Policy(engine, tok)
             try:  # as in the rollout: a placeholder the policy sampled (it has no image) drops the episode
-                ep = await shapes_agent({"seed": i, "max_turns": max_turns}, llm)
+                ep = await shapes_agent({"seed": i // group, "max_turns": max_turns}, llm)
                 check_images(ep.ids, ep.images, engine.c)
             except ValueError as e:
                 assert "image placeholders" in str(e)
@@ -210,6 +211,54 @@ def test_engine_logprobs_with_images_over_turns_match_the_trainer(tok):
             other = [im.flip(-1) for im in b["images"]]
             other = model(b["ids"], routing=routing, images=other)[:, :-1].log_softmax(-1)
             assert (other.gather(-1, b["ids"][:, 1:, None])[..., 0] - logp)[at].abs().max() > 1e-3
+
+
+def test_a_group_with_equal_images_prefills_once_and_matches_the_trainer(tok):
+    """GRPO's group: equal prompts with equal images (other tensors) take one prefill row, its keys copied; prompts
+    with the same ids but other images take their own (test_engine_logprobs_with_images_over_turns_...)."""
+    from train import collate
+    m, rows = count_model(tok, 6), []
+    m.register_forward_pre_hook(lambda _, args, kw: rows.append(len(args[0])) if kw.get("images") else None,
+                                with_kwargs=True)
+    eps = count_episodes(tok, engine_for(tok, m, seed=4), n=6, max_turns=1, group=3)  # 6 slots: admitted at once
+    assert rows == [2]  # one prefill, a row per image
+    msgs = [episode_to_msg(ep, i, i // 3, record) for i, (ep, record) in enumerate(eps)]
+    assert len({tuple(msg["ids"][-4:].tolist()) for msg in msgs}) > 2  # the samples differ after the shared prefill
+    b = collate(msgs, "cpu")
+    with torch.no_grad():
+        logp = torch.log_softmax(m(b["ids"], routing=b["routing"], images=b["images"])[:, :-1], -1)
+    diff = (logp.gather(-1, b["ids"][:, 1:, None])[..., 0] - b["rollout_logp"][:, 1:])[b["loss_mask"][:, 1:] == 1]
+    assert diff.abs().max() <= 1e-5
+
+
+def test_a_group_sharing_its_image_prompt_is_one_row_with_the_same_loss_and_gradient(tok):
+    """train.packed_rows with images: a group's prompt and its image once (the tower runs once), the same loss and
+    gradient; not where an image lies past the shared prompt (M-RoPE shifts what follows), nor behind other pixels."""
+    import config
+    import train
+    cfg, m = config.load(["--max_staleness=0", "--micro_batch_tokens=4096"]), count_model(tok, 7)
+    pad = m.config.image_token_id
+
+    def msgs_of(model=m, **kw):
+        eps = count_episodes(tok, engine_for(tok, model, seed=5), n=6, **kw)
+        return [episode_to_msg(ep, i, i // 3, record) for i, (ep, record) in enumerate(eps)]
+    msgs = msgs_of(max_turns=1, group=3)
+    b = train.collate(msgs, "cpu", pad)
+    assert len(b["packed"]["images"]) == 2 and b["packed"]["ids"].numel() < 0.6 * b["ids"].numel()
+    adv, counts = torch.linspace(-1, 1, len(msgs)), (float(sum(m["loss_mask"][1:].sum() for m in msgs)), len(msgs))
+    out = []
+    for packed in (True, False):
+        net, bb = copy.deepcopy(m), dict(b) if packed else {k: v for k, v in b.items() if k != "packed"}
+        loss, metrics, _ = train.micro_loss(net, bb, cfg, counts, adv, 1)
+        loss.backward()
+        out.append((loss.detach(), metrics, torch.cat([p.grad.flatten() for p in net.parameters()])))
+    (l1, m1, g1), (l2, m2, g2) = out
+    assert abs(l1 - l2) < 1e-6 and torch.allclose(m1[:7], m2[:7], atol=1e-5) and g1.abs().sum() > 0
+    assert torch.allclose(g1, g2, atol=1e-6, rtol=1e-5)
+    assert train.shared_prompt(msgs[:3], pad) == msgs[0]["loss_mask"].nonzero()[0] - 1  # the prompt less its last
+    assert train.shared_prompt(msgs_of(max_turns=2, group=3)[:3], pad) == 0  # the second image: in the rests
+    dense = vlm(7, vocab=len(tok), pad=pad, experts=0)  # (a MoE's replayed experts would differ at the images)
+    assert train.shared_prompt(msgs_of(dense, max_turns=1, group=1)[:3], pad) == 0  # same ids, other images
 
 
 def test_routing_replay_with_images(tok):
