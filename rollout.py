@@ -369,7 +369,7 @@ def episode_to_msg(ep, index, group, record):
     logprobs, versions, routing, engine_ids = record
     return {"ids": torch.tensor(ep.ids), "loss_mask": torch.tensor(ep.loss_mask), "versions": torch.tensor(versions),
             "logprobs": torch.tensor(logprobs, dtype=torch.float32), "routing": routing,  # (T, n_moe, k) or None
-            "engine_ids": engine_ids, "images": [im.float() for im in ep.images],  # (C, H, W) each
+            "engine_ids": engine_ids, "images": [im.float().cpu() for im in ep.images],  # (C, H, W) each, on the CPU
             "reward": float(ep.reward), "group": group, "index": index,
             "info": {k: float(v) for k, v in ep.info.items()}}
 
