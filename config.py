@@ -94,7 +94,7 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay
     adam_eps: float = 1e-8  # AdamW epsilon: gradients much smaller than it get updates smaller than lr
     grad_clip: float = 1.0  # clip the global gradient norm (after reduction across ranks)
-    micro_batch_tokens: int = 2048  # padded tokens per forward/backward (episodes sorted by length, little padding)
+    micro_batch_tokens: int = 4096  # padded tokens per forward/backward (episodes sorted by length, little padding)
     mini_batches: int = 1  # optimizer updates per pass over a batch (PPO mini-batches, in data order)
     ppo_epochs: int = 1  # passes over each batch; more than one update makes the policy ratio and its clip matter
     max_staleness: int = 1  # max policy versions between sampling a token and training on it; 0 = on-policy

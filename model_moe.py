@@ -152,13 +152,17 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k, v = q.to(cos.dtype), k.to(cos.dtype), v.to(cos.dtype)  # cos: attention's dtype (Transformer.forward)
         # RoPE, rotate-half as in the checkpoints: t * cos + cat(-t2, t1) * sin; sin comes signed, so one flip swaps
         q, k = (t * cos + t.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin for t in (q, k))
         if cache is not None:  # write this call's keys at their positions, attend over the slot's history
             k, v = cache(k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
-        return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        if x.is_cpu:  # by hand in x's dtype (SDPA's bf16 backward: 4x slower), the G heads of a k, v stacked on T
+            s = q.unflatten(1, (self.nkv, -1)).flatten(2, 3) @ k.transpose(-1, -2) * self.hd ** -0.5  # (B, nkv, G*T, n)
+            p = s.unflatten(2, (-1, T)).masked_fill(~mask[:, None, None], -torch.inf).softmax(-1, dtype=torch.float32)
+            y = (p.to(v.dtype).flatten(2, 3) @ v).unflatten(2, (-1, T)).flatten(1, 2)  # (B, nh, T, hd)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=self.nkv != self.nh)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
 class MLP(nn.Module):
@@ -219,8 +223,7 @@ class MoE(nn.Module):
     @torch.compiler.disable  # under torch.compile (train.py's compile): CPU's grouped_mm traces only in bfloat16
     def forward(self, x, replay=None, aux_mask=None):
         """x (..., H) -> (y (..., H), experts (..., k)). aux_mask (...) bool: tokens aux_loss counts (None: all)."""
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (N, H)
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])  # x: (N, H)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
         self.flips = None  # with replay: (replayed positions where this router would pick other experts, positions)
@@ -361,18 +364,14 @@ class Transformer(nn.Module):
         # interleaved M-RoPE: frequency j turns with axis j % 3 (t, h, w) while within its mrope_section, else with t
         axes = torch.where(j < 3 * torch.tensor(c.mrope_section)[j % 3], j % 3, 0) if c.vision else j * 0
         freqs = pos[axes].permute(1, 2, 0)[:, None].float() * inv_freq(c, ids.device)  # (B, 1, T, hd/2)
-        cos, sin = freqs.cos(), freqs.sin()
-        dt = torch.float32 if ids.is_cpu else x.dtype  # attention's: on CPU SDPA's bf16 backward takes 5x its fp32 one
-        cos, sin = torch.cat((cos, cos), -1).to(dt), torch.cat((-sin, sin), -1).to(dt)  # (B, 1, T, hd)
+        cos, sin = torch.cat((freqs, freqs), -1).cos().to(x.dtype), torch.cat((-freqs, freqs), -1).sin().to(x.dtype)
         if cache is not None:
             n_keys, kv = cache.bind(slots, positions)
-            mask = torch.zeros(B, T, n_keys, dtype=dt, device=ids.device).masked_fill_(  # (B, T, n_keys)
-                torch.arange(n_keys, device=ids.device) > positions[..., None], -torch.inf)  # additive
+            mask = torch.arange(n_keys, device=ids.device) <= positions[..., None]  # (B, T, n_keys), as below
         else:
             mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril().expand(B, T, T)
             if segments is not None:  # a token always sees itself (no empty rows)
                 mask = mask & ((segments[:, None, :] == segments[:, :, None]) | (segments[:, None, :] == 0))
-        mask = mask[:, None]  # (B, 1, T, n_keys)
         routes = []  # each MoE layer's experts (B, T, top_k); routing[len(routes)] is the next MoE layer's
         for i, layer in enumerate(self.model.layers):
             replay = routing[len(routes)] if routing is not None and isinstance(layer.mlp, MoE) else None

@@ -127,7 +127,7 @@ class TorchEngine:
                  max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None, chunk_tokens=8192):
         self.model, self.c = model.eval(), model.config
         p = next(model.parameters())
-        self.cache = KVCache(self.c, slots, max_len, dtype=torch.float32 if p.is_cpu else p.dtype, device=p.device)
+        self.cache = KVCache(self.c, slots, max_len, dtype=p.dtype, device=p.device)
         # experts by slot and position (S, max_len, n_moe, k), -1: not computed; per slot as the KV cache: one write
         self.routing = torch.full((slots, max_len, self.c.n_moe_layers, self.c.num_experts_per_tok), -1,
                                   dtype=torch.int16) if self.c.n_moe_layers else None

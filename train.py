@@ -26,6 +26,7 @@ import shutil
 import signal
 import time
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that wait sleep, not spin
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,

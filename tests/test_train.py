@@ -49,6 +49,29 @@ def test_split_batch_gives_every_rank_as_many_micro_batches_within_the_budget():
     assert dealt == [[1, 1, 0, 2, 2], [1, 0, 0, 2]]  # groups by their longest: 1 (90), 0 (40), 2 (21)
 
 
+PROBE = """
+import builtins, os, sys
+seen, imp = [], builtins.__import__
+def hook(name, *a, **k):  # the environment as torch is first imported (when libgomp loads and reads it)
+    if name == "torch" and "torch" not in sys.modules and not seen:
+        seen.append(os.environ.get("OMP_WAIT_POLICY"))
+    return imp(name, *a, **k)
+builtins.__import__ = hook
+import train
+print(seen)
+"""
+
+
+def test_train_py_has_openmp_threads_sleep_when_they_wait_unless_told_otherwise():
+    """The rollout process shares the cores: the trainer's OpenMP threads spinning as they wait (libgomp's default)
+    took its cycles (SmolLM2's bf16 step: 6.8 s, 5.1 s passive). train.py sets OMP_WAIT_POLICY=PASSIVE before torch
+    loads, where the user set none."""
+    for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
+        p = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert p.stdout.strip() == repr([expected]), (p.stdout, p.stderr[-2000:])
+
+
 def run_train(out, *args, timeout=600):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
            f"--out_dir={out}", "--prompts_per_step=4", "--ckpt_every=0", "--dump_every=2", *args]
