@@ -339,7 +339,7 @@ def test_smollm2_logits_match_transformers(smol):
 
 @needs_smol
 def test_smollm2_in_bfloat16_is_as_close_to_float32_as_transformers_in_bfloat16(smol):
-    """On CPU attention runs by hand in the compute dtype (bf16 scores, fp32 probabilities; it ran in fp32, as SDPA's
+    """On CPU in bf16 attention runs by hand (bf16 scores, fp32 probabilities; it ran in fp32, as SDPA's
     bf16 backward is slow there). Its logprobs stay as near the fp32 model's as transformers' own bf16 model's are
     (measured: mean |diff| 0.111 vs 0.096, max 0.72 vs 0.80)."""
     ours, hf, tok = smol
