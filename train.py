@@ -283,11 +283,11 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
 
 
 def values(critic, b):
-    """-> (B, T-1) V(s_t) before each trained token t, where its logit would be (0 elsewhere). The critic routes by
-    itself: replay makes the trainer's policy the sampler's; nothing samples the critic, trained on another loss."""
+    """-> (B, T-1) V(s_t) where token t's logit would be (0 elsewhere), from the packed rows too; it routes by itself"""
     sel = b["loss_mask"][:, 1:].bool()
-    v = critic(b["ids"], images=b["images"], logits_at=torch.nn.functional.pad(sel, (0, 1)))[:, 0].float()  # (n,)
-    return torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, v)
+    f = b.get("packed") or {"ids": b["ids"], "images": b["images"], "at": torch.nn.functional.pad(sel, (0, 1))}
+    v = critic(f["ids"], f.get("positions"), images=f["images"], logits_at=f["at"], segments=f.get("segments"))
+    return torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, v[:, 0].float())
 
 
 def micro_loss(model, b, cfg, counts, adv, world, critic=None):

@@ -191,6 +191,24 @@ def test_a_group_sharing_a_prompt_is_one_row_with_the_same_loss_and_gradient(arg
         assert torch.allclose(grads_of(model), grads_of(mine), atol=1e-5, rtol=1e-4)
 
 
+def test_the_critic_values_a_group_sharing_a_prompt_from_its_packed_row():
+    """advantage=gae's critic takes the packed rows too: fewer tokens through it, the same values and gradients."""
+    critic = tiny_setup()[0]
+    critic.lm_head = torch.nn.Linear(critic.config.hidden_size, 1)  # train.build_model's value head, not zeroed here
+    b = train.collate(prompt_msgs(critic), torch.device("cpu"))
+    out = []
+    for packed in (True, False):
+        net, bb, seen = copy.deepcopy(critic), dict(b) if packed else {k: v for k, v in b.items() if k != "packed"}, []
+        net.register_forward_pre_hook(lambda m, args: seen.append(args[0].numel()))
+        v = train.values(net, bb)
+        (v * torch.linspace(-1, 1, v.shape[1])).sum().backward()
+        out.append((v.detach(), grads_of(net), seen))
+    (v1, g1, n1), (v2, g2, n2) = out
+    assert n1[0] < 0.6 * n2[0], (n1, n2)  # one forward of 3 rows of ~9 + 3 answers, not 9 rows of 12-15
+    assert (v1 != 0).sum() == b["loss_mask"][:, 1:].sum() and torch.allclose(v1, v2, atol=1e-6), (v1 - v2).abs().max()
+    assert (g1 - g2).norm() < 1e-6 * g2.norm(), (g1 - g2).norm() / g2.norm()  # summation order differs: relative
+
+
 def test_a_shared_prompt_stops_before_a_trained_token_and_where_experts_differ():
     model = tiny_setup()[0]
     msgs = prompt_msgs(model)[:3]
