@@ -54,6 +54,6 @@ if __name__ == "__main__":
     ap.add_argument("--trl_python", default="python", help="trl: the interpreter of a venv with trl installed")
     ap.add_argument("--smollm2", action="store_true", help="trl: SmolLM2-135M on its recipe's work, not the tiny MoE")
     ap.add_argument("--dtype", default="float32", help="trl: float32, or bfloat16 (TRL's default bf16 autocast)")
-    args = ap.parse_known_args()[0]
+    args = ap.parse_known_args()[0] if sys.argv[1:2] != ["trl"] else ap.parse_args()  # a script parses its own
     os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
     bench_trl() if args.section == "trl" else os.execv(sys.executable, ["python", SCRIPTS[args.section], *sys.argv[2:]])
