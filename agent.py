@@ -8,8 +8,8 @@ import json
 import math
 import os
 import random
-import re
 import runpy
+import shutil
 import signal
 import sys
 import tempfile
@@ -24,15 +24,11 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"
 # ChatML as in Qwen3's template, minus thinking: a system turn, tools, tool calls and tool results in its
 # <tool_call> / <tool_response> format (what endpoint.py parses). Frozen, as the tokenizer's merges are.
 CHAT_TEMPLATE = Path(__file__).with_name("assets").joinpath("chat_template.jinja").read_text()
-# Feedback repeats the guess ("4 is too low"): the last message then holds all a simple strategy needs,
-# which is what lets a tiny model learn the game from scratch in minutes.
-GUESS_PROMPT = "Guess my number from 1 to {}."
-GUESS_FEEDBACK = ["{} is too low", "{} is too high", "correct", "say a number"]
-CALC_PROMPT = "What is {}*{}+{}? You may run Python."
-CORPUS_CALC = "What is {}*{}+{}? You may write `calc: <python expression>`."  # frozen: see _corpus
-PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description": "Run Python code, see its output",
-               "parameters": {"type": "object", "required": ["code"], "properties": {"code": {"type": "string"}}}}}
-IMAGE_PAD, COUNT_PROMPT = "<|image_pad|>", "How many squares?"  # an image is one IMAGE_PAD per 2 x 2 patches
+# The built-in tasks' text (agents/guess.py), as the tokenizer's corpus has it: frozen, see _corpus
+CORPUS_GUESS = "Guess my number from 1 to {}."
+CORPUS_FEEDBACK = ["{} is too low", "{} is too high", "correct", "say a number"]
+CORPUS_CALC = "What is {}*{}+{}? You may write `calc: <python expression>`."
+IMAGE_PAD = "<|image_pad|>"  # an image is one IMAGE_PAD per 2 x 2 patches
 
 
 def _corpus(rng: random.Random):
@@ -40,7 +36,7 @@ def _corpus(rng: random.Random):
     here changes every merge, and with them the default run's tokens (see the README)."""
     for _ in range(2000):
         a, b, c, n = (rng.randint(1, 9) for _ in range(4))
-        yield from ["user\nassistant\ntool\nsystem\n", GUESS_PROMPT.format(n), *(f.format(a) for f in GUESS_FEEDBACK),
+        yield from ["user\nassistant\ntool\nsystem\n", CORPUS_GUESS.format(n), *(f.format(a) for f in CORPUS_FEEDBACK),
                     f"I guess {a}.", CORPUS_CALC.format(a, b, c), f"calc: {a}*{b}+{c}", f"The answer is {a * b + c}.",
                     f"{a}+{b}=", "error: exit code 1\nTraceback (most recent call last):\n  File \"main.py\"",
                     "error: timed out", "NameError: name 'x' is not defined", "SyntaxError: invalid syntax",
@@ -63,6 +59,29 @@ def make_tokenizer(path: str, vocab_size: int = 384) -> None:
               "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 4096,
               "clean_up_tokenization_spaces": False}
     Path(path, "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def stop_ids(tok, model_dir):
+    """Every end-of-turn id: the tokenizer's eos, <|im_end|> if it has one, and generation_config.json's eos ids."""
+    ids = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None}
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        eos = json.load(open(path)).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def save_tokenizer(src, dst):
+    """The tokenizer (its chat template too, in whatever file it came) and generation_config.json beside weights."""
+    load_tokenizer(src).save_pretrained(dst)
+    if os.path.isfile(os.path.join(src, "generation_config.json")):
+        shutil.copy(os.path.join(src, "generation_config.json"), dst)
 
 
 # ---- the episode: one typed record from rollout to loss ----
@@ -103,6 +122,18 @@ class Episode:
             raise ValueError("no sampled token (loss_mask is all 0)")
         if not math.isfinite(self.reward):
             raise ValueError(f"non-finite reward {self.reward}")
+
+
+@dataclass
+class Completion:
+    ids: list  # sampled token ids (the stop token included when it was sampled)
+    logprobs: list  # logprob of each sampled id under the distribution it was drawn from
+    versions: list  # policy version of the weights that sampled each id
+    routing: torch.Tensor | None  # (len(prompt) + len(ids), n_moe_layers, top_k) int16, -1 where not computed
+
+
+class ContextFull(ValueError):
+    """The conversation has reached the engine's max_len: the rollout trains the episode so far as truncated."""
 
 
 # ---- turns: conversations grow by appending token ids, never by re-rendering ----
@@ -254,106 +285,29 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
     return error is None, text if error is None else f"error: {error}\n{text}"
 
 
-# ---- built-in tasks: each an agent `async def NAME(task, llm) -> Episode`, sized by the task dict ----
-def _ints(text: str) -> list[int]:
-    return [int(s) for s in re.findall(r"-?\d+", text)]
-
-
-async def guess(task: dict, llm) -> Episode:
-    """Find a secret in 1..guess_max from too-low / too-high feedback within max_turns model turns: the default
-    task, and the model for a token-level agent. The episode is built id by id: the prompt and each feedback are
-    appended as environment tokens (loss_mask 0), each model turn as the engine's own sampled ids (loss_mask 1), so
-    the trainer trains exactly what was sampled; the text is decoded only to read the guess. Reward 1 if found."""
-    ep, tok, secret, invalid = Episode(), llm.tokenizer, task["secret"], 0
-    ep.append(prompt_ids(tok, GUESS_PROMPT.format(task["guess_max"])))
-    for turn in range(1, task["max_turns"] + 1):
-        digit = re.search(r"[1-9]", await model_turn(llm, ep))  # the first digit is the guess
-        number = int(digit.group()) if digit else None
-        invalid += number is None
-        feedback = ("say a number" if number is None else "correct" if number == secret
-                    else GUESS_FEEDBACK[number > secret].format(number))
-        if feedback == "correct" or turn == task["max_turns"]:
-            break  # no feedback after the last turn: it would be tokens nothing learns from
-        ep.append(turn_suffix(tok, feedback))
-    ep.reward, ep.info = float(feedback == "correct"), {"turns": turn, "invalid": invalid}
-    return ep
-
-
 def openai_client(llm):
-    """An `openai.AsyncOpenAI` on this episode's endpoint. verify=False: the endpoint is plain HTTP on loopback, and a
-    default client loads the CA certificates (~44 ms, blocking the rollout's loop) each time one is made."""
+    """An `openai.AsyncOpenAI` on this episode's endpoint, for chat agents. verify=False: the endpoint is plain HTTP
+    on loopback, and a default client loads the CA certificates (blocking the rollout's loop) each time one is made."""
     import openai  # here: only chat agents need it
-    return openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=None,  # no client
-                              http_client=openai.DefaultAsyncHttpxClient(verify=False))  # timeout: episode_timeout's
+    # no client timeout: the episode's is episode_timeout
+    return openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=None,
+                              http_client=openai.DefaultAsyncHttpxClient(verify=False))
 
 
-async def calc(task: dict, llm) -> dict:
-    """a*b+c: a chat agent (openai client on the endpoint), a sandboxed `python` tool; last reply's last int answers."""
-    msgs = [{"role": "user", "content": CALC_PROMPT.format(task["a"], task["b"], task["c"])}]
-    calls, errors = 0, 0
-    async with openai_client(llm) as client:
-        for turn in range(1, task["max_turns"] + 1):
-            m = (await client.chat.completions.create(model=llm.model, messages=msgs, tools=[PYTHON_TOOL])).choices[0]
-            msgs.append(m.message.model_dump(exclude_none=True))
-            if not m.message.tool_calls or turn == task["max_turns"]:
-                break  # an answer, or a call whose result no turn is left to read
-            for c in m.message.tool_calls:  # the endpoint parsed them: arguments is a JSON object
-                ok, out = await run_tool(str(json.loads(c.function.arguments).get("code", "")),
-                                         timeout_s=task["tool_timeout"], memory_mb=task["tool_memory_mb"],
-                                         max_output=task.get("tool_max_output", 1024),
-                                         unsafe=task.get("sandbox_unsafe", False))
-                calls, errors = calls + 1, errors + (not ok)
-                msgs.append({"role": "tool", "tool_call_id": c.id, "content": out.strip() or "(no output)"})
-    answer = _ints(m.message.content or "")
-    return {"reward": float(bool(answer) and answer[-1] == task["a"] * task["b"] + task["c"]),
-            "info": {"turns": turn, "tool_calls": calls, "tool_errors": errors}}
+AGENTS_DIR = Path(__file__).with_name("agents")  # the built-in tasks: agent files, as a user writes one
 
 
-async def arith(task: dict, llm) -> Episode:
-    """Single turn, the question `arith_prompt` (default `a+b=`); the answer's last integer is checked ("3 + 4 = 7")."""
-    ep = Episode()
-    ep.append(prompt_ids(llm.tokenizer, task.get("arith_prompt", "{a}+{b}=").format(**task)))
-    answer = _ints(await model_turn(llm, ep))
-    ep.reward = float(bool(answer) and answer[-1] == task["a"] + task["b"])
-    return ep
-
-
-def squares(rng: random.Random, size: int, k: int, cell: int = 4) -> torch.Tensor:
-    """A black (3, size, size) image with k cell x cell squares at distinct grid cells, each a random bright color."""
-    img, g = torch.zeros(3, size, size), size // cell
-    for j in rng.sample(range(g * g), k):
-        r, c = divmod(j, g)
-        color = torch.tensor([rng.randint(77, 255) / 255 for _ in "rgb"])[:, None, None]  # 8 bits, as a PNG holds
-        img[:, r * cell:(r + 1) * cell, c * cell:(c + 1) * cell] = color
-    return img
-
-
-async def count(task: dict, llm) -> Episode:
-    """How many squares (1..4) does the image show? The environment answers each reply with a new image, for
-    max_turns turns; a reply's first digit is its answer; the reward is the fraction answered right."""
-    ep, tok, rng, right = Episode(), llm.tokenizer, random.Random(task["seed"]), 0
-    # the image's placeholders: <|image_pad|> once per token, a token per 2 x 2 patches (a special token: one id each)
-    text = IMAGE_PAD * (task.get("image_size", 16) // task.get("patch_size", 4) // 2) ** 2 + COUNT_PROMPT
-    for turn in range(1, task["max_turns"] + 1):
-        k = rng.randint(1, 4)
-        ids = turn_suffix(tok, text) if turn > 1 else prompt_ids(tok, text)  # the environment answers with an image
-        ep.append_image(squares(rng, task.get("image_size", 16), k), ids)
-        digit = re.search(r"\d", await model_turn(llm, ep))
-        right += digit is not None and int(digit.group()) == k
-    ep.reward, ep.info = right / task["max_turns"], {"turns": turn}
-    return ep
-
-
-TASKS = {"guess": guess, "calc": calc, "arith": arith, "count": count}
-
-
+@functools.lru_cache(maxsize=16)
 def load_agent(name: str):
-    """A built-in task name, or a path to a Python file that defines `async def run(task, llm) -> Episode`."""
-    if name in TASKS:
-        return TASKS[name]
-    if not os.path.isfile(name):
-        raise FileNotFoundError(f"agent {name!r} is neither a built-in task ({', '.join(TASKS)}) nor an existing file")
-    run = runpy.run_path(name, run_name=f"nanomolt_agent_{Path(name).stem}").get("run")
+    """`run` of an agent file: a path, or the name of one in agents/ (guess -> agents/guess.py), that defines
+    `async def run(task, llm)` returning an Episode (token level) or a reward (chat level)."""
+    path = AGENTS_DIR / f"{name}.py"
+    if not path.is_file():
+        path = Path(name)
+    if not path.is_file():
+        builtin = ", ".join(sorted(p.stem for p in AGENTS_DIR.glob("*.py")))
+        raise FileNotFoundError(f"agent {name!r} is neither a task in agents/ ({builtin}) nor an existing file")
+    run = runpy.run_path(str(path), run_name=f"nanomolt_agent_{path.stem}").get("run")
     if not inspect.iscoroutinefunction(run):
         raise ValueError(f"agent file {name!r} does not define `async def run(task, llm)`")
     return run

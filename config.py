@@ -51,7 +51,7 @@ class Config:
     server_args: str = ""  # extra command-line arguments for a server started here, e.g. "--enforce-eager"
     weight_sync: str = "gloo"  # sglang: weights in memory over gloo (CPU servers) or nccl (GPU ones), or disk
     # ---- agents and tasks ----
-    task: str = "guess"  # guess | calc | arith | count | path/to/agent.py (a file defining `async def run(task, llm)`)
+    task: str = "guess"  # an agent file: a name in agents/ (guess, calc, arith, count) or a path/to/agent.py
     task_file: str = ""  # JSONL, one JSON object per prompt, merged into the task dict (e.g. {"a": 3, "b": 4})
     group_size: int = 8  # episodes per prompt (the GRPO group)
     prompts_per_step: int = 8  # prompts per optimizer step; batch = prompts_per_step * group_size episodes

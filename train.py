@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 import agent
 import config
+import engine
 import estimators as est
 import rollout
 from model_moe import LoRALinear, ModelConfig, Transformer, add_lora, convert_gguf, merge_lora, save_pretrained
@@ -102,7 +103,7 @@ def tiny_init(cfg, rank, fsdp):
     if rank == 0:
         if not os.path.isdir(path):
             agent.make_tokenizer(path + ".tmp")
-        tok = rollout._tokenizer(path if os.path.isdir(path) else path + ".tmp")
+        tok = agent.load_tokenizer(path if os.path.isdir(path) else path + ".tmp")
         D, s = cfg.tiny_hidden // 2, cfg.tiny_hidden // 8  # tiny Qwen3-VL-MoE: a 3-block tower, DeepStack from each
         tower = dict(depth=3, hidden_size=D, intermediate_size=2 * D, num_heads=2, in_channels=3, spatial_merge_size=2,
                      temporal_patch_size=2, patch_size=cfg.patch_size, out_hidden_size=cfg.tiny_hidden,
@@ -276,7 +277,7 @@ def token_logp(model, b, cfg, logits=None, filtered=True):
         logits = model(f["ids"], f.get("positions"), routing=f["routing"] if b["routing"] is not None else None,
                        images=f["images"], logits_at=f["at"], aux_mask=f["at"], segments=f.get("segments")).float()
     k, p = (cfg.top_k, cfg.top_p) if filtered else (0, 1.0)
-    logp = rollout.filtered_logp(logits, temperature=cfg.temperature, top_k=k, top_p=p)
+    logp = engine.filtered_logp(logits, temperature=cfg.temperature, top_k=k, top_p=p)
     # a token outside the filter of these weights (a stale one) has probability 0: a finite floor, no gradient
     tok_logp = logp.gather(-1, ids[:, 1:][sel][:, None])[:, 0].clamp(min=-1e4)
     return logits, torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, tok_logp)
@@ -455,7 +456,7 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp, critic=No
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             save_pretrained(tmp, model.config, full)
-            rollout.save_tokenizer(tokenizer_dir, tmp)  # the tokenizer travels with the weights
+            agent.save_tokenizer(tokenizer_dir, tmp)  # the tokenizer travels with the weights
             torch.save({"optimizer": osd, "rng": torch.get_rng_state(), **state}, os.path.join(tmp, "trainer.pt"))
         except OSError as e:
             raise RuntimeError(f"checkpoint write failed at step {state['step']} ({e}); {final} is as it was") from e
@@ -634,7 +635,7 @@ def main(argv=None):
     changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes
     ro = tokenizer = logger = held = None  # held: the line of a step being evaluated, logged before the next publish
     if rank == 0:
-        tokenizer, logger = rollout._tokenizer(tokenizer_dir), Logger(cfg, step, state)
+        tokenizer, logger = agent.load_tokenizer(tokenizer_dir), Logger(cfg, step, state)
         if not cfg.replay:
             say(f"starting the rollout process ({cfg.engine} engine)")
             resume = state.get("resume") or {}  # deterministic: the settled groups, the admission state

@@ -18,7 +18,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import rollout  # noqa: E402
+import engine  # noqa: E402
 from model_moe import Transformer, convert_gguf  # noqa: E402
 
 VLLM = r"""
@@ -43,7 +43,7 @@ async def ours(model_dir, prompts, dtype):
     m = Transformer.from_pretrained(model_dir).to(getattr(torch, dtype))
     if m.config.tie_word_embeddings:
         m.lm_head.weight = m.model.embed_tokens.weight
-    eng = rollout.TorchEngine(m, slots=64, max_len=256, temperature=0.7, max_new_tokens=12, stop_ids=())
+    eng = engine.TorchEngine(m, slots=64, max_len=256, temperature=0.7, max_new_tokens=12, stop_ids=())
     run, times = asyncio.ensure_future(eng.run()), []
     for _ in range(3):
         t = time.perf_counter()

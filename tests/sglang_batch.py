@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 from multiprocessing import Value
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)
@@ -16,7 +17,7 @@ import torch  # noqa: E402
 import agent  # noqa: E402
 import config  # noqa: E402
 from model_moe import ModelConfig, Transformer  # noqa: E402
-from rollout import ServerEngine, start_server, stop_server, write_weights  # noqa: E402
+from servers import ServerEngine, start_server, stop_server, write_weights  # noqa: E402
 
 SGL = os.path.join(ROOT, ".venv-sglang", "bin", "python")
 env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(ROOT, "tests", "sglang_cpu")}

@@ -21,7 +21,9 @@ import os
 import random
 import tempfile
 
-from agent import guess, run_tool
+from agent import load_agent, run_tool
+
+guess = load_agent("guess")
 
 KINDS = {  # kind -> the rollout counter it must land in ("trained": the episode is fine, the tool failed)
     "raise": "agent_errors",  # the agent raises mid-episode

@@ -23,6 +23,7 @@ import agent  # noqa: E402
 import config  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
+from engine import TorchEngine  # noqa: E402
 from model_moe import Transformer, convert_gguf  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def sample(cfg, engine, tok, first, times):
 
     async def one(i):
         llm = rollout.Policy(engine, tok, i)
-        ep = await agent.arith(agent.make_task("arith", i, **knobs), llm)
+        ep = await agent.load_agent("arith")(agent.make_task("arith", i, **knobs), llm)
         return rollout.episode_to_msg(ep, i, i // cfg.group_size, rollout.check_tokens(ep, llm.calls))
 
     async def batch():
@@ -87,7 +88,7 @@ def measure(dtype, steps):
                        f"--out_dir={tempfile.mkdtemp()}"])
     rank, world, device, fsdp = train.compute_init(cfg)
     path = convert_gguf(cfg.model)
-    tok = rollout._tokenizer(path)
+    tok = agent.load_tokenizer(path)
     model = train.build_model(cfg, rank, device, fsdp, path)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay, fused=True)
@@ -95,8 +96,8 @@ def measure(dtype, steps):
     m = Transformer.from_pretrained(path).to(getattr(torch, dtype))  # the rollout's copy (float32: the shared tensors)
     if m.config.tie_word_embeddings:
         m.lm_head.weight = m.model.embed_tokens.weight
-    engine = rollout.TorchEngine(m, slots=cfg.engine_slots, max_len=cfg.engine_max_len, temperature=cfg.temperature,
-                                 max_new_tokens=cfg.max_new_tokens, stop_ids=rollout.stop_ids(tok, path), seed=0)
+    engine = TorchEngine(m, slots=cfg.engine_slots, max_len=cfg.engine_max_len, temperature=cfg.temperature,
+                                 max_new_tokens=cfg.max_new_tokens, stop_ids=agent.stop_ids(tok, path), seed=0)
     rows, tokens = [], 0
     for step in range(steps):
         times = defaultdict(float)

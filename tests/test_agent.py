@@ -91,7 +91,7 @@ def guess_task(**kw):
 
 def test_guess_found_episode_layout(tok):
     llm = ScriptLLM(tok, ["3", "I say 7", "5"])
-    ep = run(agent.guess, guess_task(), llm)
+    ep = run(agent.load_agent("guess"), guess_task(), llm)
     assert ep.reward == 1.0 and ep.info == {"turns": 3, "invalid": 0}
     s1, s2, s3 = llm.sampled
     prompt = prompt_ids(tok, "Guess my number from 1 to 7.")
@@ -113,7 +113,7 @@ def test_guess_found_episode_layout(tok):
 
 def test_guess_not_found_within_max_turns(tok):
     llm = ScriptLLM(tok, ["1", "2", "6", "5"])
-    ep = run(agent.guess, guess_task(), llm)
+    ep = run(agent.load_agent("guess"), guess_task(), llm)
     assert ep.reward == 0.0 and ep.info["turns"] == 3 and len(llm.prompts) == 3  # the 4th (right) guess never asked
     text = tok.decode(ep.ids)
     assert "1 is too low" in text and "2 is too low" in text and "too high" not in text  # no feedback after the last
@@ -121,14 +121,14 @@ def test_guess_not_found_within_max_turns(tok):
 
 def test_guess_invalid_turn(tok):
     llm = ScriptLLM(tok, ["hmm", "5"])
-    ep = run(agent.guess, guess_task(), llm)
+    ep = run(agent.load_agent("guess"), guess_task(), llm)
     assert ep.reward == 1.0 and ep.info == {"turns": 2, "invalid": 1}
     assert llm.prompts[1][-len(turn_suffix(tok, "say a number")):] == turn_suffix(tok, "say a number")
 
 
 def test_cut_off_turn_gets_im_end_unsampled(tok):
     llm = ScriptLLM(tok, ["2", "5"], close=False)  # engine hit max_new_tokens: no <|im_end|> sampled
-    ep = run(agent.guess, guess_task(), llm)
+    ep = run(agent.load_agent("guess"), guess_task(), llm)
     i = len(prompt_ids(tok, "Guess my number from 1 to 7.")) + len(llm.sampled[0])
     assert ep.ids[i] == end_id(tok) and ep.loss_mask[i] == 0 and check_tokens(ep, llm.calls)[1][i] == -1
     assert ep.ids[-1] == end_id(tok) and ep.loss_mask[-1] == 0
@@ -139,7 +139,7 @@ def test_cut_off_turn_gets_im_end_unsampled(tok):
 # ---- routing: rollout.check_tokens merges the engine's record of each call ----
 def test_routing_latest_computation_wins(tok):
     llm = ScriptLLM(tok, ["1", "5"], n_moe=3)
-    ep = run(agent.guess, guess_task(), llm)
+    ep = run(agent.load_agent("guess"), guess_task(), llm)
     T, routing = len(ep.ids), check_tokens(ep, llm.calls)[2]
     assert routing.shape == (T, 3, 2) and routing.dtype == torch.int16
     n2 = len(llm.prompts[1]) + len(llm.sampled[1])  # rows the second call covered
@@ -171,21 +171,25 @@ def test_routing_keeps_old_rows_where_new_is_unknown():
 @pytest.mark.parametrize("answer,reward", [("7", 1.0), ("3 + 4 = 7", 1.0), ("7 or 8", 0.0), ("8", 0.0),
                                            ("", 0.0), ("17", 0.0)])
 def test_arith_reward(tok, answer, reward):
-    ep = run(agent.arith, {"a": 3, "b": 4}, ScriptLLM(tok, [answer]))
+    ep = run(agent.load_agent("arith"), {"a": 3, "b": 4}, ScriptLLM(tok, [answer]))
     assert ep.reward == reward and ep.ids[: len(prompt_ids(tok, "3+4="))] == prompt_ids(tok, "3+4=")
-    ep = run(agent.arith, {"a": 3, "b": 4, "arith_prompt": "What is {a} + {b}?"}, ScriptLLM(tok, [answer]))
+    ep = run(agent.load_agent("arith"), {"a": 3, "b": 4, "arith_prompt": "What is {a} + {b}?"}, ScriptLLM(tok, [answer]))
     assert ep.reward == reward and ep.ids[: len(prompt_ids(tok, "What is 3 + 4?"))] == prompt_ids(tok, "What is 3 + 4?")
 
 
 # ---- loading agents and making tasks ----
 def test_load_agent(tmp_path, tok):
-    assert load_agent("guess") is agent.guess
+    guess = load_agent("guess")  # a built-in task is an agent file in agents/, loaded by name
+    assert guess.__globals__["__file__"] == str(agent.AGENTS_DIR / "guess.py")
+    assert load_agent(str(agent.AGENTS_DIR / "guess.py")) is not guess  # the same file by path: loaded anew
+    with pytest.raises(FileNotFoundError, match="guess"):  # the error lists the built-in tasks
+        load_agent("nope")
     with pytest.raises(FileNotFoundError, match="nope.py"):
         load_agent(str(tmp_path / "nope.py"))
     (tmp_path / "norun.py").write_text("def run(task, llm):\n    pass\n")  # not async
     with pytest.raises(ValueError, match="norun.py"):
         load_agent(str(tmp_path / "norun.py"))
-    (tmp_path / "mine.py").write_text("from agent import arith\n"
+    (tmp_path / "mine.py").write_text("from agent import load_agent\narith = load_agent('arith')\n"
                                       "async def run(task, llm):\n    return await arith(task, llm)\n")
     ep = run(load_agent(str(tmp_path / "mine.py")), {"a": 1, "b": 1}, ScriptLLM(tok, ["2"]))
     assert ep.reward == 1.0

@@ -11,14 +11,15 @@ import aiohttp
 import openai
 import pytest
 import torch
+from test_rollout import collect, drive
 
 import agent
 import config
 import endpoint
-import rollout
+from agent import Completion
+from engine import TorchEngine
 from model_moe import ModelConfig, Transformer
-from rollout import Completion, Policy, TorchEngine, check_tokens
-from test_rollout import collect, drive
+from rollout import Policy, check_tokens
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0)
 
@@ -306,7 +307,7 @@ def tool_call_text(code):  # a python tool call as the chat template writes it
                                                        ("__import__('time').sleep(100)", "17", 1.0, 1)])
 def test_calc_runs_its_tool_in_the_sandbox(tok, code, answer, reward, errors):
     engine = ScriptEngine(tok, [tool_call_text(code) + "<|im_end|>", answer + "<|im_end|>"])
-    llm, result = chat_episode(engine, tok, lambda client, llm: agent.calc(CALC, llm))
+    llm, result = chat_episode(engine, tok, lambda client, llm: agent.load_agent("calc")(CALC, llm))
     assert result == {"reward": reward, "info": {"turns": 2, "tool_calls": 1, "tool_errors": errors}}
     [(ep, calls)] = endpoint.segments(llm, result)
     check_tokens(ep, calls)
@@ -376,7 +377,7 @@ def test_a_base_checkpoints_eos_is_not_its_end_of_turn(tmp_path):
     both; the reply is stripped of <|im_end|> and finishes with "stop", so the next turn's record holds it once."""
     q = qwen3_tokenizer(eos_token="<|endoftext|>")
     q.save_pretrained(tmp_path)
-    stop = rollout.stop_ids(q, str(tmp_path))
+    stop = agent.stop_ids(q, str(tmp_path))
     assert q.eos_token == "<|endoftext|>" and {q.eos_token_id, q.convert_tokens_to_ids("<|im_end|>")} <= set(stop)
 
     async def chat(client, llm):

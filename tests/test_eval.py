@@ -11,13 +11,14 @@ import time
 
 import pytest
 import torch
+from test_rollout import Counter, drive, engine_for
+from test_train import ENV, ROOT, metrics, run_train
 
 import agent
 import config
+import engine
 import rollout
 import train
-from test_rollout import Counter, drive, engine_for
-from test_train import ENV, ROOT, metrics, run_train
 
 
 def test_held_out_prompts_come_from_random_streams_training_never_draws(tmp_path):
@@ -87,7 +88,7 @@ def test_a_chat_agent_evaluates_through_the_endpoint(tok, tmp_path):
     cfg = config.load(["--task=calc", f"--out_dir={tmp_path}", "--max_turns=2", "--group_size=2", "--eval_prompts=2",
                        "--eval_samples=2", "--eval_temperature=0.7"])
     small = engine_for(tok)  # its max_len (256) is less than the prompt with its tool (274 tokens)
-    m = evaluate(cfg, rollout.TorchEngine(small.model, slots=16, max_len=512, max_new_tokens=6, seed=0,
+    m = evaluate(cfg, engine.TorchEngine(small.model, slots=16, max_len=512, max_new_tokens=6, seed=0,
                                           stop_ids=sorted(small.stop_ids)), tok)
     rows = dump(tmp_path, 0)
     assert m["eval/episodes"] == 4 and {r["index"] for r in rows} == {-1, -2, -3, -4}  # each episode dumped

@@ -11,14 +11,14 @@ import sys
 
 import pytest
 import torch
+from test_rollout import prompts, run, tiny
 
 import agent
 import config
 import estimators as est
 import rollout
 import train
-from rollout import TorchEngine
-from test_rollout import prompts, run, tiny
+from engine import TorchEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu_check.sh)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +94,7 @@ def guess_batch(cfg, model, tok_dir):
 
 def test_train_step_in_bf16_with_fp32_master_weights(tmp_path):
     import torch.distributed as dist
+
     from model_moe import Transformer
     cfg = config.load(["--config", os.path.join(ROOT, "configs", "guess.py"), f"--out_dir={tmp_path}",
                        "--prompts_per_step=4", "--dtype=bfloat16"])
@@ -157,6 +158,7 @@ def test_qwen3_vl_matches_transformers_on_cuda(tmp_path, monkeypatch, moe):
     """tests/test_vision.py's parity on the GPU, float32 (TF32 off: transformers' patch embedding is a convolution):
     three images of different sizes over two rows, one of them right-padded."""
     from test_vision import chat_ids, hf_vlm, images_and_pixels
+
     from model_moe import Transformer
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     hf = hf_vlm(moe)

@@ -9,10 +9,17 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
+from engine import TorchEngine
 from model_moe import KVCache, Transformer, convert_gguf
-from rollout import TorchEngine
 
 V = 96
 

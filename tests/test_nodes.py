@@ -16,7 +16,9 @@ from test_train import ENV, ROOT, metrics
 # a reward that varies within every group from the first step on (the untrained policy rarely finds the secret):
 # each step has a policy gradient to compare, not only zeros
 VARIED_AGENT = """
-from agent import guess
+from agent import load_agent
+
+guess = load_agent("guess")
 async def run(task, llm):
     ep = await guess(task, llm)
     ep.reward = float(ep.info["invalid"] - ep.info["turns"])

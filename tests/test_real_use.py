@@ -9,15 +9,15 @@ import time
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-import config
-import rollout
-import train
-from model_moe import ModelConfig, Transformer
 from test_rollout import collect, drive, engine_for
 from test_train import ENV, ROOT, metrics, run_train
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import agent
+import config
+import train
+from engine import TorchEngine
+from model_moe import ModelConfig, Transformer
 
 # ---- the engine's memory: logits only where a token is sampled ----
 
@@ -39,7 +39,7 @@ def test_engine_prefill_and_weight_swap_never_build_logits_for_every_position():
     V, B, T = 20000, 8, 60  # (B, T, V) logits would be 9.6M elements; the KV cache is 2 x 2.0M
     c = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                     num_key_value_heads=1, head_dim=8)
-    engine = rollout.TorchEngine(Transformer(c).init_weights(0), slots=B, max_len=2 * T, max_new_tokens=4,
+    engine = TorchEngine(Transformer(c).init_weights(0), slots=B, max_len=2 * T, max_new_tokens=4,
                                  chunk_tokens=4 * T)
     prompts = [[(7 * i + j) % V for j in range(T)] for i in range(B)]
 
@@ -156,7 +156,7 @@ def test_every_eos_id_stops_and_the_chat_template_travels_with_checkpoints(tmp_p
     assert (src / "chat_template.jinja").exists()
     extra = tok.convert_tokens_to_ids("<|endoftext|>")
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [extra, 5]}))
-    ids = rollout.stop_ids(tok, str(src))
+    ids = agent.stop_ids(tok, str(src))
     assert {extra, 5, tok.convert_tokens_to_ids("<|im_end|>")} <= set(ids)
     model = Transformer(ModelConfig(vocab_size=len(tok))).init_weights(0)
     # the engine, given those ids, on a model biased toward them (each ~8% a token): every completion ends at its
@@ -166,7 +166,7 @@ def test_every_eos_id_stops_and_the_chat_template_travels_with_checkpoints(tmp_p
     with torch.no_grad():
         biased.lm_head.weight.zero_()
         biased.lm_head.bias.zero_()[ids] = torch.tensor(len(tok) / (4 * len(ids))).log()
-    engine = rollout.TorchEngine(biased, slots=8, max_len=64, max_new_tokens=24, stop_ids=ids, seed=1)
+    engine = TorchEngine(biased, slots=8, max_len=64, max_new_tokens=24, stop_ids=ids, seed=1)
 
     async def generate():
         return await asyncio.gather(*[engine.generate([1, 2, 3 + i]) for i in range(40)])
@@ -181,7 +181,7 @@ def test_every_eos_id_stops_and_the_chat_template_travels_with_checkpoints(tmp_p
     back = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
     chat = [{"role": "user", "content": "hi"}]
     assert back.apply_chat_template(chat, tokenize=False) == tok.apply_chat_template(chat, tokenize=False)
-    assert rollout.stop_ids(back, str(tmp_path / "ckpt")) == ids
+    assert agent.stop_ids(back, str(tmp_path / "ckpt")) == ids
 
 
 # ---- master weights and compute dtype ----
@@ -304,7 +304,9 @@ def test_an_agent_that_always_fails_ends_the_run_with_a_clear_error(tmp_path):
 
 
 FLAKY_AGENT = """
-from agent import guess
+from agent import load_agent
+
+guess = load_agent("guess")
 async def run(task, llm):
     if task["index"] % 7 == 0:
         raise RuntimeError("flaky")

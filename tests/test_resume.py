@@ -8,25 +8,25 @@ import time
 
 import torch
 from safetensors.torch import load_file
-
-import rollout
-from model_moe import ModelConfig, Transformer
-from rollout import TorchEngine
 from test_train import ENV, ROOT, metrics, run_and_resume, run_train
+
+import engine
+from engine import TorchEngine
+from model_moe import ModelConfig, Transformer
 
 V = 64
 
 
 def test_uniform_is_uniform_and_independent_across_positions():
     keys = torch.tensor([[7, e, c, p] for e in range(50) for c in range(4) for p in range(100)])  # (20000, 4)
-    u = rollout.uniform(keys)
-    assert ((u >= 0) & (u < 1)).all() and torch.equal(u, rollout.uniform(keys.tolist()))  # a function of its keys
+    u = engine.uniform(keys)
+    assert ((u >= 0) & (u < 1)).all() and torch.equal(u, engine.uniform(keys.tolist()))  # a function of its keys
     n, counts = len(u), torch.bincount((u * 20).long(), minlength=20).double()
     assert ((counts - n / 20).abs() <= 5 * (n / 20 * (1 - 1 / 20)) ** 0.5).all(), counts
     nxt = u.view(200, 100)  # adjacent positions of one call: uncorrelated
     corr = torch.corrcoef(torch.stack([nxt[:, :-1].flatten(), nxt[:, 1:].flatten()]))[0, 1]
     assert abs(corr) < 5 / (n ** 0.5), corr
-    other_seed = rollout.uniform(keys + torch.tensor([1, 0, 0, 0]))
+    other_seed = engine.uniform(keys + torch.tensor([1, 0, 0, 0]))
     assert abs(torch.corrcoef(torch.stack([u, other_seed]))[0, 1]) < 5 / (n ** 0.5)
 
 

@@ -11,9 +11,10 @@ import types
 import pytest
 import torch
 
-from model_moe import ModelConfig, Transformer
+import engine
 import rollout
-from rollout import TorchEngine
+from engine import TorchEngine
+from model_moe import ModelConfig, Transformer
 
 V = 64
 
@@ -91,12 +92,12 @@ def test_sampled_logprobs_match_full_forward(temperature, top_k, top_p):
 
 
 def test_sampler_frequencies_follow_the_filtered_distribution():
-    """rollout.sample draws from exactly the distribution whose logprobs it reports: empirical frequencies
+    """engine.sample draws from exactly the distribution whose logprobs it reports: empirical frequencies
     of 20k draws per row match reference_filter within 5 standard errors; filtered-out tokens never appear."""
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0)) * 2
     for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8)]:
         n, g = 20_000, torch.Generator().manual_seed(1)
-        ids, logps = rollout.sample(logits.repeat_interleave(n, 0), torch.rand(3 * n, generator=g),
+        ids, logps = engine.sample(logits.repeat_interleave(n, 0), torch.rand(3 * n, generator=g),
                                     temperature=temperature, top_k=top_k, top_p=top_p)
         for row in range(3):
             q = reference_filter(logits[row], temperature, top_k, top_p)
@@ -323,7 +324,9 @@ def test_check_tokens_rejects_an_episode_that_differs_from_the_engine(tok):
 
 
 RAISING_AGENT = """
-from agent import arith
+from agent import load_agent
+
+arith = load_agent("arith")
 
 async def run(task, llm):
     if task["index"] % 3 == 1:
@@ -342,7 +345,9 @@ def test_agent_that_raises_is_counted_and_dropped(tok, tmp_path):
 
 STUBBORN_AGENT = """
 import asyncio
-from agent import arith
+from agent import load_agent
+
+arith = load_agent("arith")
 
 async def run(task, llm):
     swallowed = False
@@ -382,7 +387,7 @@ import agent
 async def run(task, llm):
     if task["group"] == 1 or task["index"] % 3 == 1:  # all of group 1 and the middle episode of every group fail
         raise RuntimeError("injected")
-    return await agent.arith(task, llm)
+    return await agent.load_agent("arith")(task, llm)
 """
 
 

@@ -21,13 +21,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import torch
+from test_rollout import (  # the producer and engine loop, as the rollout runs them
+    Counter,
+    collect,
+    drive,
+)
 
 import agent
 import config
 import rollout
+import servers
+from engine import TorchEngine
 from model_moe import ModelConfig, Transformer
-from rollout import ServerEngine, ServerError, TorchEngine, start_server, stop_server, write_weights
-from test_rollout import Counter, collect, drive  # the producer and engine loop, as the rollout runs them
+from servers import ServerEngine, ServerError, start_server, stop_server, write_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -345,7 +351,9 @@ def test_dead_server_is_an_error_with_its_log(tmp_path):
 
 
 BAD_ID_AGENT = """
-from agent import arith
+from agent import load_agent
+
+arith = load_agent("arith")
 
 async def run(task, llm):
     if task["index"] == 1:  # beside the other agents' first calls: one /generate would carry them all
@@ -599,7 +607,7 @@ def train_loop_on_policy(tmp_path, engine, flags, env=()):
     env = {**os.environ, **dict(env), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), ROOT]))
     r = subprocess.run(cmd, env=env, cwd=ROOT, timeout=600, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:] + rollout.log_tail(str(tmp_path / f"{engine}_server.log"))
+    assert r.returncode == 0, r.stderr[-3000:] + servers.log_tail(str(tmp_path / f"{engine}_server.log"))
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [m["step"] for m in lines] == [0, 1, 2, 3] and "reward/mean" not in lines[0]  # step 0: its evaluation
     # every token of the evaluation of step v was sampled by weights v: the rollout checks the versions the server's
@@ -797,7 +805,7 @@ def test_sglang_bad_token_id_fails_only_its_own_request(sglang_server, tok):
     good, bad = drive(e, together)
     print("beside the bad request:", repr(good)[:300], "| the bad one:", repr(bad)[:1000])
     assert isinstance(bad, ValueError) and "prompt ids must be ints" in str(bad)
-    assert isinstance(good, rollout.Completion) and good.ids and good.versions == [0] * len(good.ids)
+    assert isinstance(good, agent.Completion) and good.ids and good.versions == [0] * len(good.ids)
 
 
 @pytest.mark.slow
@@ -875,9 +883,10 @@ def test_sglang_serves_qwen3_vl_moe_with_images(tmp_path, tok, tok_dir, device):
     """A tiny Qwen3-VL-MoE on a real SGLang server: two turns, an 8-bit image of another size in each, sent as PNG
     data: URLs with one <|image_pad|> per image (SGLang expands it). The trainer's recompute on the same pixels gives
     the server's logprobs (float32) and experts; other pixels do not (the server saw the images)."""
+    from test_vision import VISION
+
     from model_moe import ModelConfig
     from rollout import Policy, check_tokens, episode_to_msg
-    from test_vision import VISION
     pad = tok.convert_tokens_to_ids(agent.IMAGE_PAD)
     v = VISION | dict(depth=3, deepstack_visual_indexes=[0, 1, 2], hidden_size=16, intermediate_size=32, patch_size=4,
                       out_hidden_size=32, num_position_embeddings=4)
@@ -896,7 +905,7 @@ def test_sglang_serves_qwen3_vl_moe_with_images(tmp_path, tok, tok_dir, device):
     async def episode(j):
         g, llm, ep = torch.Generator().manual_seed(j), Policy(e, tok, j), agent.Episode()
         for turn, (H, W) in enumerate([(16, 16), (8, 24)]):  # 2 x 2 and 1 x 3 image tokens
-            text = agent.IMAGE_PAD * (H // 8 * W // 8) + agent.COUNT_PROMPT
+            text = agent.IMAGE_PAD * (H // 8 * W // 8) + agent.load_agent("count").__globals__["PROMPT"]
             ep.append_image(torch.randint(0, 256, (3, H, W), generator=g) / 255,
                             agent.turn_suffix(tok, text) if turn else agent.prompt_ids(tok, text))
             await agent.model_turn(llm, ep)

@@ -103,8 +103,10 @@ def named(comm):
 
 DYING_PRODUCER = """
 import asyncio
-from agent import guess
-from rollout import ServerError
+from agent import load_agent
+
+guess = load_agent("guess")
+from servers import ServerError
 
 async def run(task, llm):
     if task["index"] == 3:  # ignores cancellation, as a tool call cancelled at the wrong moment can (CPython 3.11)
@@ -131,7 +133,9 @@ def test_rollout_that_dies_exits_even_with_agents_that_ignore_cancellation(tmp_p
 
 
 TOOL_AGENT = """
-from agent import guess, run_tool
+from agent import load_agent, run_tool
+
+guess = load_agent("guess")
 
 async def run(task, llm):
     if task["index"] == 0:  # a tool call that is still running when the trainer is killed

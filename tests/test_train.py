@@ -200,7 +200,9 @@ def test_short_run_reward_rises(tmp_path):
 
 LATE_AGENT = """
 import asyncio
-from agent import guess
+from agent import load_agent
+
+guess = load_agent("guess")
 
 async def run(task, llm):
     ep = await guess(task, llm)  # group 0 plays under version 0 ...
@@ -228,7 +230,9 @@ def test_a_group_handed_in_past_the_staleness_bound_is_dropped_counted_and_the_r
 
 DIE_AGENT = """
 import os
-from agent import guess
+from agent import load_agent
+
+guess = load_agent("guess")
 
 async def run(task, llm):
     if task["index"] == {n}:  # the whole rollout process dies mid-run

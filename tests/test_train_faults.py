@@ -187,7 +187,9 @@ def test_cpu_offload_without_a_gpu_is_a_clear_error(tmp_path):
 # ---- 13. SIGTERM is honoured in every wait; groups filtered without end are an error ----
 
 SOLVED_AGENT = """
-from agent import guess
+from agent import load_agent
+
+guess = load_agent("guess")
 async def run(task, llm):
     ep = await guess(task, llm)
     ep.reward = 1.0  # every group all-equal: filter_groups drops each one
@@ -196,7 +198,9 @@ async def run(task, llm):
 
 SLOW_AGENT = """
 import asyncio
-from agent import guess
+from agent import load_agent
+
+guess = load_agent("guess")
 async def run(task, llm):
     await asyncio.sleep(1000)
 """
@@ -237,7 +241,9 @@ def test_groups_filtered_for_long_end_the_run_with_a_clear_error(tmp_path):
 
 KILL_AGENT = """
 import asyncio, os, signal
-from agent import guess
+from agent import load_agent
+
+guess = load_agent("guess")
 async def run(task, llm):
     ep = await guess(task, llm)
     group = task["index"] // 2

@@ -13,8 +13,9 @@ import torch
 
 import agent
 import endpoint
+from engine import TorchEngine
 from model_moe import ModelConfig, Transformer
-from rollout import Policy, TorchEngine, check_images, check_tokens, episode_to_msg
+from rollout import Policy, check_images, check_tokens, episode_to_msg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, START, END = 290, 292, 293  # the placeholder, vision start and vision end ids of the synthetic-vocab tests
@@ -26,8 +27,12 @@ SIZES = [(64, 64), (32, 96), (96, 64)]  # (H, W) of three images: 2x2, 1x3 and 3
 
 def hf_vlm(moe, seed=0):
     """A tiny random Qwen3-VL(-MoE) of transformers, large weights (attention and routing far from uniform)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig
-    from transformers import Qwen3VLMoeForConditionalGeneration
+    from transformers import (
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
+    )
     torch.manual_seed(seed)
     text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
@@ -49,7 +54,9 @@ def images_and_pixels(sizes=SIZES, seed=0):
     """-> (C, H, W) images in [0, 1] (ours), the processor's pixel_values and image_grid_thw of the same (transformers')."""
     import numpy as np
     from PIL import Image
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
     rng = np.random.default_rng(seed)
     arrays = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
     proc = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
@@ -151,7 +158,7 @@ async def shapes_agent(task, llm):
     """The count task's conversation, with an image of another size (random pixels) in each turn."""
     ep, tok, g = agent.Episode(), llm.tokenizer, torch.Generator().manual_seed(task["seed"])
     for turn, (H, W) in enumerate(SHAPES[:task["max_turns"]]):
-        text = agent.IMAGE_PAD * (H // 8 * W // 8) + agent.COUNT_PROMPT
+        text = agent.IMAGE_PAD * (H // 8 * W // 8) + agent.load_agent("count").__globals__["PROMPT"]
         ep.append_image(torch.rand(3, H, W, generator=g), agent.turn_suffix(tok, text) if turn else
                         agent.prompt_ids(tok, text))
         await agent.model_turn(llm, ep)

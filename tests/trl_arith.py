@@ -32,7 +32,7 @@ for m, q in zip(msgs, questions):  # TRL renders a conversational prompt with th
 data = Dataset.from_dict({"prompt": msgs, "answer": [t["a"] + t["b"] for t in tasks]})
 
 
-def reward(completions, answer, **_):  # as agent.arith: the completion's last integer is the answer
+def reward(completions, answer, **_):  # as agent.load_agent("arith"): the completion's last integer is the answer
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
     return [float(bool(n) and int(n[-1]) == a) for n, a in zip((re.findall(r"-?\d+", t) for t in texts), answer)]
 

@@ -15,7 +15,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import agent  # noqa: E402
-import rollout  # noqa: E402
 from model_moe import ModelConfig, Transformer  # noqa: E402
 
 
@@ -25,7 +24,7 @@ def transcript(rng, right):
     out = a * b + c if op == "+" else a * b - c  # never a*b+c: c >= 1
     call = {"id": "call_0", "type": "function",
             "function": {"name": "python", "arguments": json.dumps({"code": f"print({a}*{b}{op}{c})"})}}
-    return [{"role": "user", "content": agent.CALC_PROMPT.format(a, b, c)},
+    return [{"role": "user", "content": agent.load_agent("calc").__globals__["PROMPT"].format(a, b, c)},
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_0", "content": str(out)},
             {"role": "assistant", "content": f"The answer is {out}."}]
@@ -35,7 +34,7 @@ def encode(tok, msgs):
     """-> (ids, loss mask): each assistant turn as the template renders it, through its <|im_end|> (what the engine
     samples); the text between turns tokenized on its own, as the endpoint tokenizes a prompt's new part."""
     def render(m, gen):
-        return tok.apply_chat_template(m, tools=[agent.PYTHON_TOOL], tokenize=False, add_generation_prompt=gen)
+        return tok.apply_chat_template(m, tools=[agent.load_agent("calc").__globals__["PYTHON_TOOL"]], tokenize=False, add_generation_prompt=gen)
     ids, mask, done = [], [], ""
     for i in (i for i, m in enumerate(msgs) if m["role"] == "assistant"):
         prompt, full = render(msgs[:i], True), render(msgs[:i + 1], False)
@@ -50,7 +49,7 @@ def main(out, right=0.3, max_steps=1000, seed=0, batch=8, lr=2e-3):
     suddenly (seed 0: 475 steps, 114 s on 2 cores; at batch 16, 361 steps, 171 s; at lr 4e-3, 990 steps).
     -> the number of steps."""
     agent.make_tokenizer(out)
-    tok, rng = rollout._tokenizer(out), random.Random(seed)
+    tok, rng = agent.load_tokenizer(out), random.Random(seed)
     model = Transformer(ModelConfig(vocab_size=len(tok))).init_weights(seed)  # the tiny preset's size, dense
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []

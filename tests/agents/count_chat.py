@@ -13,11 +13,11 @@ import agent
 async def run(task, llm):
     rng = random.Random(task["seed"])
     k = rng.randint(1, 4)
-    pixels = (agent.squares(rng, task.get("image_size", 16), k) * 255).round().byte().permute(1, 2, 0).numpy()
+    pixels = (agent.load_agent("count").__globals__["squares"](rng, task.get("image_size", 16), k) * 255).round().byte().permute(1, 2, 0).numpy()
     png = io.BytesIO()
     Image.fromarray(pixels).save(png, "PNG")
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": agent.COUNT_PROMPT}]
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": agent.load_agent("count").__globals__["PROMPT"]}]
     async with agent.openai_client(llm) as client:
         reply = await client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": content}])
     digit = re.search(r"\d", reply.choices[0].message.content or "")

@@ -1,4 +1,4 @@
-"""python bench.py SECTION (--help): README's "Performance" numbers, measured, baseline and ratio, in the caller's
+"""python tools/bench.py SECTION (--help): README's "Performance" numbers, measured, baseline and ratio, in the caller's
 environment as users run train.py and TRL (README: retired sections' last commits). Run alone on the machine."""
 import argparse
 import json
@@ -10,6 +10,8 @@ from itertools import accumulate
 from statistics import mean
 
 CALLER = dict(os.environ)  # before train's import sets OMP_WAIT_POLICY for train.py: no job inherits it
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the framework's modules
 import config  # noqa: E402
 import train  # noqa: E402
 from model_moe import convert_gguf  # noqa: E402
@@ -55,5 +57,5 @@ if __name__ == "__main__":
     ap.add_argument("--smollm2", action="store_true", help="trl: SmolLM2-135M on its recipe's work, not the tiny MoE")
     ap.add_argument("--dtype", default="float32", help="trl: float32, or bfloat16 (TRL's default bf16 autocast)")
     args = ap.parse_known_args()[0] if sys.argv[1:2] != ["trl"] else ap.parse_args()  # a script parses its own
-    os.chdir(os.path.dirname(os.path.abspath(__file__)))  # train.py and configs/ are repository paths
+    os.chdir(ROOT)  # train.py and configs/ are repository paths
     bench_trl() if args.section == "trl" else os.execv(sys.executable, ["python", SCRIPTS[args.section], *sys.argv[2:]])
