@@ -7,20 +7,22 @@
 #     tokenizer's 384 ids are a subset of the 151,936-token vocabulary), one GPU, the embedded engine, bf16;
 # (c) the same run under `torchrun --standalone --nproc_per_node=1` (the NCCL code path with one rank).
 # Writes $OUT/summary.json and $OUT/gpu_check.log and prints the summary last. Without CUDA it checks its
-# arguments, says so and exits 0 (CI runs it that way: tests/test_gpu_check.py).
+# arguments, says so and exits 0. --cpu runs what a CPU can of it for real, on a small model of the same family in
+# float32: the API probe, the model's making, (b), (c) and the summary (CI runs it so: tests/test_gpu_check.py).
 set -u
-steps=30 run_timeout=150
+steps=30 run_timeout=150 cpu=0
 for arg in "$@"; do
   case "$arg" in
     --steps=[0-9]*) steps=${arg#*=} ;;
     --run_timeout=[0-9]*) run_timeout=${arg#*=} ;;
-    *) echo "gpu_check.sh: unknown argument $arg (usage: [--steps=N] [--run_timeout=SECONDS])" >&2; exit 2 ;;
+    --cpu) cpu=1 ;;
+    *) echo "gpu_check.sh: unknown argument $arg (usage: [--steps=N] [--run_timeout=SECONDS] [--cpu])" >&2; exit 2 ;;
   esac
 done
 OUT=${OUT:-out/gpu_check}
 mkdir -p "$OUT"
 log=$OUT/gpu_check.log
-if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+if [ $cpu = 0 ] && ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   printf '{"cuda": false, "steps": %s, "run_timeout": %s, "note": "no CUDA: arguments checked, nothing run"}\n' \
     "$steps" "$run_timeout" > "$OUT/summary.json"
   echo "gpu_check.sh: no CUDA device; arguments checked (steps=$steps, run_timeout=$run_timeout), nothing run"
@@ -45,34 +47,40 @@ for name, mod, attr in [("fsdp.fully_shard", "torch.distributed.fsdp", "fully_sh
         apis[name] = hasattr(__import__(mod, fromlist=[attr]), attr)
     except ImportError as e:
         apis[name] = f"ImportError: {e}"
-x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
-w = torch.randn(4, 16, 32, device="cuda", dtype=torch.bfloat16)
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+x = torch.randn(64, 32, device=dev, dtype=torch.bfloat16)
+w = torch.randn(4, 16, 32, device=dev, dtype=torch.bfloat16)
 for dt in (torch.bfloat16, torch.float32):  # the MoE's training path, in both dtypes the trainer uses
     try:
-        F.grouped_mm(x.to(dt), w.to(dt).mT, offs=torch.tensor([16, 32, 48, 64], device="cuda", dtype=torch.int32))
+        F.grouped_mm(x.to(dt), w.to(dt).mT, offs=torch.tensor([16, 32, 48, 64], device=dev, dtype=torch.int32))
         apis[f"grouped_mm {dt}"] = True
     except (RuntimeError, AttributeError) as e:
         apis[f"grouped_mm {dt}"] = str(e)[:200]
-info = {"torch": torch.__version__, "transformers": transformers.__version__, "gpu": torch.cuda.get_device_name(),
-        "apis": apis}
+gpu = torch.cuda.get_device_name() if dev == "cuda" else "none (--cpu)"
+info = {"torch": torch.__version__, "transformers": transformers.__version__, "gpu": gpu, "apis": apis}
 print(json.dumps(info, indent=1))
 json.dump(info, open(sys.argv[1], "w"))
 EOF
 
-echo "== (a) tests/test_gpu.py"
-timeout 330 python -m pytest -q tests/test_gpu.py --junitxml="$OUT/test_gpu.xml"
-echo "pytest exit $?"
+if [ $cpu = 0 ]; then
+  echo "== (a) tests/test_gpu.py"
+  timeout 330 python -m pytest -q tests/test_gpu.py --junitxml="$OUT/test_gpu.xml"
+  echo "pytest exit $?"
+fi
 
 echo "== the model: Qwen3-0.6B's shapes, random weights, the tiny tokenizer beside them"
-python - "$model" <<'EOF'
+python - "$model" "$cpu" <<'EOF'
 import sys
 import torch
 import agent
 from model_moe import ModelConfig, Transformer
-c = ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
-                tie_word_embeddings=True, max_position_embeddings=40960)
-with torch.device("cuda"):  # initialising 0.6B parameters is quicker here than on the CPU
+shape = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+if sys.argv[2] == "1":  # --cpu: the same family, small
+    shape = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+c = ModelConfig(**shape, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=40960)
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 0.6B parameters initialise faster on a GPU
     m = Transformer(c).init_weights(0)
 m.save_pretrained(sys.argv[1])
 agent.make_tokenizer(sys.argv[1])  # train.build_model loads the tokenizer from the model directory
@@ -82,9 +90,12 @@ EOF
 args=(--config configs/qwen3_0p6b_gpu.py "--model=$model" --task=guess --dtype=bfloat16 "--max_steps=$steps"
       --max_new_tokens=32 --max_turns=2 --engine_max_len=512 --engine_slots=64 --group_size=8 --prompts_per_step=8
       --queue_size=16 --max_staleness=1 --ckpt_every=0 --dump_every=0)
+[ $cpu = 1 ] && args+=(--dtype=float32 --engine_slots=16 --group_size=4 --prompts_per_step=2 --queue_size=4
+                       --max_new_tokens=4 --engine_max_len=128 --eval_every=0)
 for run in single torchrun; do
   echo "== ($([ $run = single ] && echo b || echo c)) $run"
-  python - "$OUT/gpu_mem_$run.txt" <<'EOF' &
+  [ $cpu = 1 ] && sleep 0 &  # --cpu: no GPU memory to sample
+  [ $cpu = 0 ] && python - "$OUT/gpu_mem_$run.txt" <<'EOF' &
 import subprocess, sys, time  # GPU memory of each process every 0.5 s, its role from its command line
 with open(sys.argv[1], "w") as f:
     while True:
@@ -124,7 +135,7 @@ nq, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
 n_mm = L * (H * hd * (2 * nq + 2 * nkv) + 3 * H * I) + V * H
 info = json.load(open(os.path.join(out, "apis.json")))
 peak = next((p for name, p in {"H200": 989e12, "H100": 989e12, "A100": 312e12}.items() if name in info["gpu"]), None)
-s = {"cuda": True, **info, "peak_bf16_flops": peak, "matmul_params": n_mm}
+s = {"cuda": info["gpu"] != "none (--cpu)", **info, "peak_bf16_flops": peak, "matmul_params": n_mm}
 try:
     r = ET.parse(os.path.join(out, "test_gpu.xml")).getroot()
     r = r if r.tag == "testsuite" else r[0]
