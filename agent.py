@@ -105,10 +105,10 @@ class Episode:
         self.append(ids)
         self.images.append(image)
 
-    def append_completion(self, c) -> None:
-        """An engine result for prompt = self.ids: its sampled ids c.ids, trained on."""
-        self.ids += c.ids
-        self.loss_mask += [1] * len(c.ids)
+    def append_completion(self, completion) -> None:
+        """An engine result for prompt = self.ids: its sampled ids completion.ids, trained on."""
+        self.ids += completion.ids
+        self.loss_mask += [1] * len(completion.ids)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError on an episode the trainer must not see."""
@@ -151,12 +151,12 @@ def turn_suffix(tok, text: str, role: str = "user") -> list[int]:
 
 async def model_turn(llm, ep: Episode) -> str:
     """One model turn appended to ep; returns its text, decoded only to show the environment."""
-    c = await (llm.generate(ep.ids, images=ep.images) if ep.images else llm.generate(ep.ids))
-    ep.append_completion(c)
+    completion = await (llm.generate(ep.ids, images=ep.images) if ep.images else llm.generate(ep.ids))
+    ep.append_completion(completion)
     end = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if not c.ids or c.ids[-1] != end:  # cut off at max_new_tokens: close the turn ourselves, unsampled (mask 0)
+    if not completion.ids or completion.ids[-1] != end:  # cut off at max_new_tokens: we close the turn (mask 0)
         ep.append([end])
-    return llm.tokenizer.decode(c.ids, skip_special_tokens=True)
+    return llm.tokenizer.decode(completion.ids, skip_special_tokens=True)
 
 
 # ---- tools: untrusted code in a sandboxed subprocess ----
@@ -228,8 +228,9 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
     memory_mb in all. Raises RuntimeError naming what is missing where a wall can't be built, unless `unsafe`."""
     # RLIMIT_NPROC is never enforced for uid 0 and counts every process of a uid, so as root each call gets a throwaway
     # uid: pid-derived (ranks never share one), the least recently used (a killed process counts until it is reaped).
-    base, n = (1 << 20) + (os.getpid() << 8), next(_calls)
-    uid = next((u for i in range(256) if (u := base + (n + i) % 256) not in _uids), None) if os.geteuid() == 0 else -1
+    start = next(_calls)
+    ring = [(1 << 20) + (os.getpid() << 8) + (start + i) % 256 for i in range(256)]  # least recently used first
+    uid = next((u for u in ring if u not in _uids), None) if os.geteuid() == 0 else -1
     if uid is None:
         raise RuntimeError("256 tool calls are running in this process: no throwaway uid is free")
     with tempfile.TemporaryDirectory(prefix="nanomolt_tool_", ignore_cleanup_errors=True) as tmp, \
@@ -241,8 +242,7 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
             os.chown(tmp, uid, uid)
         # -I -S: ignore PYTHON* variables, cwd and site-packages; -u: keep prints and tracebacks in order.
         args = map(str, (uid, memory_mb, max_procs, int(timeout_s) + 2, os.getpid(), LANDLOCK_ABI_MAX, int(unsafe)))
-        # Our own pipe for stdout+stderr: asyncio's proc.wait() also waits for the pipes it made to close,
-        # so a background child holding one would stall the call until the timeout.
+        # our own pipe: asyncio's proc.wait() also waits for the pipes it made, which a background child may hold open
         rfd, wfd = os.pipe()
         out = open(rfd, "rb", buffering=0)
         try:
@@ -253,14 +253,17 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
             os.close(wfd)  # else we would never see EOF
         stream = asyncio.StreamReader()
         pipe, _ = await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), out)
-        half, head, tail, total = max_output // 2, b"", b"", 0
+        half = max_output // 2
+        head = tail = b""  # the first half + 1 bytes (+ 1: the prelude's byte that says the walls stand), the last half
+        total = 0
 
         async def drain():  # keep the first and last max_output/2 bytes, drop the middle as it streams by
             nonlocal head, tail, total
             while chunk := await stream.read(1 << 16):
                 total += len(chunk)
-                keep = max(half + 1 - len(head), 0)  # + 1: the prelude's byte that says the walls stand
-                head, tail = head + chunk[:keep], (tail + chunk[keep:])[-half:]
+                keep = max(half + 1 - len(head), 0)
+                head += chunk[:keep]
+                tail = (tail + chunk[keep:])[-half:]
         reader, timed_out = asyncio.ensure_future(drain()), False
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
@@ -274,15 +277,18 @@ async def run_tool(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, m
             await asyncio.wait([reader], timeout=1.0)
             reader.cancel()
             pipe.close()
-    ready = head.startswith(b"\0")
-    cut = b"\n... [output truncated] ...\n" if total - ready > 2 * half else b""
-    text = (head[ready:] + cut + tail).decode(errors="replace")
-    if not (ready or timed_out):  # the prelude stopped before the model's code: a wall is missing, or its setup failed
+    marker = 1 if head.startswith(b"\0") else 0  # the prelude's byte, not the model's output: the walls stand
+    cut = b"\n... [output truncated] ...\n" if total - marker > 2 * half else b""
+    text = (head[marker:] + cut + tail).decode(errors="replace")
+    if not (marker or timed_out):  # the prelude stopped before the model's code: a wall is missing, or its setup failed
         raise RuntimeError(f"tool sandbox: {text.strip()}")
+    if timed_out:
+        return False, f"error: timed out after {timeout_s}s\n{text}"
     rc = proc.returncode  # < 0: a signal, e.g. SIGKILL from RLIMIT_CPU, SIGXFSZ from RLIMIT_FSIZE, SIGABRT
-    error = (f"timed out after {timeout_s}s" if timed_out else f"exit code {rc}" if rc > 0
-             else f"killed by signal {-rc} ({signal.strsignal(-rc)})" if rc < 0 else None)
-    return error is None, text if error is None else f"error: {error}\n{text}"
+    if rc == 0:
+        return True, text
+    error = f"exit code {rc}" if rc > 0 else f"killed by signal {-rc} ({signal.strsignal(-rc)})"
+    return False, f"error: {error}\n{text}"
 
 
 def openai_client(llm):

@@ -192,15 +192,16 @@ def load(argv=None):
         print("usage: train.py [--config configs/x.py] [--key=value ...]\n")
         print("\n".join(f"  --{f.name}={f.default!r:<14} {docs.get(f.name, '')}" for f in fields(Config)))
         sys.exit(0)
-    values, overrides, args = {}, [], iter(argv)
+    values, overrides = {}, []  # from --config files; from --key=value, as given
+    args = iter(argv)
     for arg in args:
-        k, eq, v = arg[2:].partition("=")
+        key, eq, value = arg[2:].partition("=")
         if not arg.startswith("--"):
             raise ValueError(f"config: unexpected argument {arg!r} (use --key=value)")
-        if k == "config":
-            values |= read_file(v if eq else next(args, ""), types_)
-        elif k not in types_:
-            raise ValueError(f"config: unknown key {k!r} (see --help)")
+        if key == "config":
+            values |= read_file(value if eq else next(args, ""), types_)
+        elif key not in types_:
+            raise ValueError(f"config: unknown key {key!r} (see --help)")
         else:
-            overrides.append((k, v if eq else "true"))  # a bare flag: --resume
+            overrides.append((key, value if eq else "true"))  # a bare flag: --resume
     return Config(**values | {k: _coerce(k, v, types_[k], cli=True) for k, v in overrides})  # the command line wins

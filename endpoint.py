@@ -45,10 +45,14 @@ async def serve(tokenizer, sampling: dict, stop_ids, model: str = "policy") -> d
 
 def attach(server: dict, llm):
     """Give an episode's llm (a rollout.Policy) its base URL, API key and an empty record; -> llm."""
-    eid, llm.api_key, llm.model = secrets.token_urlsafe(16), secrets.token_urlsafe(32), server["model"]
-    server["episodes"][eid] = llm  # both unguessable: any local process (tool code too) can reach the port
+    eid = secrets.token_urlsafe(16)  # both unguessable: any local process (tool code too) can reach the port
+    llm.api_key = secrets.token_urlsafe(32)
+    server["episodes"][eid] = llm
     llm.base_url = f"http://127.0.0.1:{server['port']}/ep/{eid}/v1"
-    llm.segs, llm.lock, llm.counts = [], asyncio.Lock(), {"tool_calls": 0, "malformed_tool_calls": 0}
+    llm.model = server["model"]
+    llm.segs = []  # the episode's segments (see segments)
+    llm.lock = asyncio.Lock()  # one call of the episode at a time
+    llm.counts = {"tool_calls": 0, "malformed_tool_calls": 0}
     return llm
 
 
@@ -60,10 +64,10 @@ def segments(llm, result) -> list:
         raise TypeError(f"a chat agent returns a float or a dict with 'reward', got {type(result).__name__}")
     if not llm.segs:  # a segment starts with a call the engine answered
         raise ValueError("the chat agent made no call to the endpoint")
-    if {"segments", "truncated"} & set(info):  # the rollout's (its own tool_calls wins over the endpoint's count)
-        raise ValueError(f"the chat agent's info sets {sorted({'segments', 'truncated'} & set(info))}: the rollout's")
-    for s in llm.segs:
-        s["ep"].reward, s["ep"].info = float(reward), dict(llm.counts, **info, segments=len(llm.segs))
+    if clash := {"segments", "truncated"} & set(info):  # the rollout's (its own tool_calls wins over the endpoint's)
+        raise ValueError(f"the chat agent's info sets {sorted(clash)}: the rollout's")
+    for seg in llm.segs:
+        seg["ep"].reward, seg["ep"].info = float(reward), dict(llm.counts, **info, segments=len(llm.segs))
     return [(s["ep"], s["calls"]) for s in llm.segs]
 
 
@@ -80,9 +84,9 @@ async def _handle(server, fn, request):
         if not isinstance(body, dict):
             raise _error("the body must be a JSON object")
         # the run's sampling (or an evaluation's): the distribution the trainer assumes; one answer, no extras
-        for k, v in (server["sampling"] | llm.sampling | FIXED).items():
-            if body.get(k) is not None and body[k] != v:
-                raise _error(f"{k}={body[k]!r} is not supported: the run samples with {k}={v!r}", k)
+        for key, value in (server["sampling"] | llm.sampling | FIXED).items():
+            if body.get(key) is not None and body[key] != value:
+                raise _error(f"{key}={body[key]!r} is not supported: the run samples with {key}={value!r}", key)
         async with llm.lock:  # one call of an episode at a time: each extends the record it was matched to
             kind, choice, usage = await fn(server, llm, body)
         return web.json_response({"id": f"nanomolt-{time.monotonic_ns()}", "object": kind, "model": server["model"],
@@ -112,50 +116,56 @@ async def _sample(server, llm, body, text, ids=None, images=()):
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise _error("stop must be a string or a list of non-empty strings", "stop")
     # the longest segment the prompt extends (as text, or as ids); its ids stay, only the rest is tokenized
-    p, kind = (text, "text") if ids is None else (ids, "ids")
-    seg = max((s for s in llm.segs if p[:len(s[kind])] == s[kind] and all(map(torch.equal, s["ep"].images, images))),
+    prompt, kind = (text, "text") if ids is None else (ids, "ids")
+    seg = max((s for s in llm.segs
+               if prompt[:len(s[kind])] == s[kind] and all(map(torch.equal, s["ep"].images, images))),
               key=lambda s: len(s[kind]), default=None)  # (and the images it has, the prompt's first ones)
     if ids is None:
         ids = (seg["ids"] if seg else []) + tok.encode(text[len(seg["text"]) if seg else 0:], add_special_tokens=False)
-    c = await llm.generate(ids, max_new, images)
-    sampled = tok.decode(c.ids)
+    out = await llm.generate(ids, max_new, images)
+    sampled = tok.decode(out.ids)
     cut = min((sampled.index(s) for s in stop if s in sampled), default=None)
     if cut is not None:  # a stop string ends the turn: the tokens after the one that completes it were never shown
-        end, k, n, piece = min(sampled.index(s) + len(s) for s in stop if s in sampled), 0, 0, ""
-        # n: ids[:k]'s text length, grown by what token k adds to the 3 before it (a character, a space can span tokens)
-        while k < len(c.ids) and (n < end or piece.endswith("\ufffd")):  # linear: decoding every prefix was quadratic
-            k += 1
-            piece = tok.decode(c.ids[max(k - 4, 0):k])
-            n += len(piece) - len(tok.decode(c.ids[max(k - 4, 0):k - 1]))
-        c.ids[k:], c.logprobs[k:], c.versions[k:] = [], [], []  # in place: llm.calls holds this record
-        c.routing = None if c.routing is None else c.routing[:len(ids) + k]
+        end = min(sampled.index(s) + len(s) for s in stop if s in sampled)
+        # shown: the kept tokens' text length, grown by what each adds to the 3 before it (a character can span tokens)
+        kept, shown = 0, 0
+        piece = ""
+        while kept < len(out.ids) and (shown < end or piece.endswith("\ufffd")):  # linear, unlike decoding each prefix
+            kept += 1
+            piece = tok.decode(out.ids[max(kept - 4, 0):kept])
+            shown += len(piece) - len(tok.decode(out.ids[max(kept - 4, 0):kept - 1]))
+        del out.ids[kept:], out.logprobs[kept:], out.versions[kept:]  # in place: llm.calls holds this record
+        out.routing = None if out.routing is None else out.routing[:len(ids) + kept]
     if seg is None:
-        llm.segs.append(seg := {"ep": (ep := agent_mod.Episode()), "ids": ep.ids, "calls": [], "text": ""})
+        ep = agent_mod.Episode()
+        seg = {"ep": ep, "ids": ep.ids, "calls": [], "text": ""}
+        llm.segs.append(seg)
     seg["ep"].append(ids[len(seg["ids"]):])  # seg["ids"] is seg["ep"].ids: Episode appends in place
     seg["ep"].images += images[len(seg["ep"].images):]  # the pixels the engine saw
-    seg["ep"].append_completion(c)
+    seg["ep"].append_completion(out)
     seg["calls"].append(llm.calls[-1])
     seg["text"] = (text or tok.decode(ids)) + sampled[:cut]
-    finish = "stop" if cut is not None or (c.ids and c.ids[-1] in server["stop"]) else "length"
-    usage = dict(prompt_tokens=len(ids), completion_tokens=len(c.ids), total_tokens=len(ids) + len(c.ids))
-    return sampled[:cut], finish, usage, c.ids
+    finish = "stop" if cut is not None or (out.ids and out.ids[-1] in server["stop"]) else "length"
+    usage = dict(prompt_tokens=len(ids), completion_tokens=len(out.ids), total_tokens=len(ids) + len(out.ids))
+    return sampled[:cut], finish, usage, out.ids
 
 
 async def _chat(server, llm, body):
     """One chat turn: the messages rendered with the chat template (with tools), sampled, tool calls parsed."""
-    tok, msgs, tools = server["tok"], body.get("messages"), body.get("tools")
+    msgs, tools = body.get("messages"), body.get("tools")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and
                                                          isinstance(m.get("content") or "", (str, list)) for m in msgs):
         raise _error("messages must be a non-empty list of objects with a role and content", "messages")
     msgs = [dict(m, content=m.get("content") or "") for m in msgs]  # templates want a string, also with tool calls
     images = [_content(server, llm, m, f"messages[{i}].content") for i, m in enumerate(msgs)]
     try:
-        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = server["tok"].apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template's error (jinja's, a bad tool's) is the request's, not the rollout's
         raise _error(f"the chat template cannot render these messages: {e}", "messages") from e
     content, finish, usage, ids = await _sample(server, llm, body, text, images=sum(images, []))
-    end = tok.decode(ids[-1:]) if ids[-1:] and ids[-1] in server["stop"] else ""  # the engine stopped on it
-    msg = {"role": "assistant", "content": (content := content.removesuffix(end))}
+    end = server["tok"].decode(ids[-1:]) if ids[-1:] and ids[-1] in server["stop"] else ""  # the engine stopped on it
+    content = content.removesuffix(end)
+    msg = {"role": "assistant", "content": content}
     if tools and "<tool_call>" in content:
         calls = _tool_calls(content)
         llm.counts["malformed_tool_calls" if calls is None else "tool_calls"] += 1
@@ -179,31 +189,33 @@ def _content(server, llm, msg, where):
     """msg's content parts -> its text (an image: <|image_pad|> per token, in <|vision_start|> ... <|vision_end|> where
     the vocabulary has them); -> its images, (3, H, W) in [0, 1], resized as Qwen3-VL's processor (smart_resize)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # slow to import: not at start
-    images, text, tok, c = [], "", server["tok"], getattr(llm.engine, "c", None)  # c: the torch engine's model
+    mc = getattr(llm.engine, "c", None)  # the engine's model config; None: it takes no images
+    images, text = [], ""
     parts = msg["content"] if isinstance(msg["content"], list) else [{"type": "text", "text": msg["content"]}]
     for j, part in enumerate(p if isinstance(p, dict) else {} for p in parts):
-        at, url = f"{where}[{j}]", part["image_url"].get("url") if isinstance(part.get("image_url"), dict) else None
+        at = f"{where}[{j}]"
         if part.get("type") == "text" and isinstance(part.get("text"), str):
             text += part["text"]
             continue
+        url = part["image_url"].get("url") if isinstance(part.get("image_url"), dict) else None
         if not (part.get("type") == "image_url" and isinstance(url, str) and url.startswith("data:")):
             raise _error(f"{at}: a part is {{'type': 'text', 'text': ...}} or {{'type': 'image_url', 'image_url': "
                          "{'url': 'data:image/png;base64,...'}} (only data: URLs: a rollout has no network)", at)
-        if not (c and c.vision):
+        if not (mc and mc.vision):
             raise _error(f"{at}: an image, but the engine takes none (no vision tower, or vLLM)", at)
-        f = c.vision["patch_size"] * c.vision["spatial_merge_size"]
+        factor = mc.vision["patch_size"] * mc.vision["spatial_merge_size"]  # a side is a multiple of it
         try:
             data = base64.b64decode(re.fullmatch(r"data:image/(?:png|jpeg);base64,(.*)", url, re.S)[1], validate=True)
             img = Image.open(io.BytesIO(data), formats=["PNG", "JPEG"])
             if img.width * img.height > MAX_PIXELS:
                 raise _error(f"{at}: an image of {img.width}x{img.height} pixels is over {MAX_PIXELS}", at)
-            H, W = smart_resize(img.height, img.width, factor=f, min_pixels=f * f, max_pixels=MAX_PIXELS)
+            H, W = smart_resize(img.height, img.width, factor=factor, min_pixels=factor * factor, max_pixels=MAX_PIXELS)
             pixels = torch.tensor(np.asarray(img.convert("RGB").resize((W, H), Image.BICUBIC)))  # (H, W, 3) uint8
         except (TypeError, ValueError, OSError, Image.DecompressionBombError) as e:  # no match, ...
             raise _error(f"{at}: not a PNG or JPEG data: URL (data:image/png;base64,...): {e}", at) from None
         images.append(pixels.permute(2, 0, 1) / 255)
-        pad = tok.convert_ids_to_tokens(c.image_token_id) * int(np.prod(c.grid(images[-1])))
-        text += f"<|vision_start|>{pad}<|vision_end|>" if "<|vision_start|>" in tok.get_vocab() else pad
+        pad = server["tok"].convert_ids_to_tokens(mc.image_token_id) * int(np.prod(mc.grid(images[-1])))
+        text += f"<|vision_start|>{pad}<|vision_end|>" if "<|vision_start|>" in server["tok"].get_vocab() else pad
     msg["content"] = text
     return images
 

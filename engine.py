@@ -35,7 +35,7 @@ def uniform(keys):
     """keys (B, n) ints -> (B,) float64 in [0, 1): splitmix64 (Steele et al. 2014) folded over each row, counter-based:
     a draw depends on (seed, episode, call, position) only, not batch or timing: a resumed episode resamples alike."""
     h = np.zeros(len(keys), dtype=np.uint64)
-    for col in np.asarray(keys, dtype=np.int64).astype(np.uint64).T:  # numpy: uint64 (wrapping), 3x torch's speed
+    for col in np.asarray(keys, dtype=np.int64).astype(np.uint64).T:  # numpy: uint64 arithmetic wraps, and is fast
         h = (h ^ col) + np.uint64(0x9E3779B97F4A7C15)
         for s, m in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, 1)):
             h = (h ^ (h >> np.uint64(s))) * np.uint64(m)
@@ -87,22 +87,31 @@ class TorchEngine:
     """Embedded engine: `await generate(ids)` from many agents, batched continuously over a slot KV cache (step)."""
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
                  max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None, chunk_tokens=8192):
-        self.model, self.c = model.eval(), model.config
-        p = next(model.parameters())
-        self.cache = KVCache(self.c, slots, max_len, dtype=p.dtype, device=p.device)
+        self.model = model.eval()
+        self.c = model.config  # (Policy and the chat endpoint read its vision settings)
+        param = next(model.parameters())
+        self.cache = KVCache(self.c, slots, max_len, dtype=param.dtype, device=param.device)
         # experts by slot and position (S, max_len, n_moe, k), -1: not computed; per slot as the KV cache: one write
         self.routing = torch.full((slots, max_len, self.c.n_moe_layers, self.c.num_experts_per_tok), -1,
                                   dtype=torch.int16) if self.c.n_moe_layers else None
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-        self.max_new, self.stop_ids, self.seed, self.max_len = max_new_tokens, set(stop_ids), seed, max_len
+        self.max_new = max_new_tokens
+        self.stop_ids = set(stop_ids)
+        self.seed = seed
+        self.max_len = max_len
         self.chunk_tokens = chunk_tokens  # padded tokens per prefill forward: bounds its activations
         if self.c.vision:  # a sampled placeholder has no image: end the row there (the agent rejects
             self.stop_ids.add(self.c.image_token_id)  # the episode), else a re-prefill would splice a feature in
-        self.shared_version, self.source, self.lock = version, source, lock or contextlib.nullcontext()  # shared
-        self.version = version.value if version is not None else 0
-        self.requests = itertools.count()
-        self.waiting, self.active, self.free = deque(), {}, list(range(slots))[::-1]
-        self.wake, self.tokens_generated = asyncio.Event(), 0
+        self.shared_version = version  # the version the trainer published (shared)
+        self.source = source  # the shared tensors it publishes into; None: the model's own parameters are they
+        self.lock = lock or contextlib.nullcontext()  # held by the trainer while it publishes
+        self.version = version.value if version is not None else 0  # the version of the model's weights
+        self.requests = itertools.count()  # numbers the calls that come without a key
+        self.waiting = deque()  # requests not yet in a slot
+        self.active = {}  # slot -> its request
+        self.free = list(range(slots))[::-1]  # the free slots, the lowest last (popped first)
+        self.wake = asyncio.Event()  # set when a request arrives
+        self.tokens_generated = 0
 
     async def generate(self, ids, max_new_tokens=None, images=None, key=None, sampling=None) -> Completion:
         """images: (C, H, W) each, one per run of placeholders in ids (checked by Policy.generate)."""
@@ -121,22 +130,24 @@ class TorchEngine:
         self.model.load_state_dict(state, strict=False)
         self.version = version
         rows = list(self.active.values())  # each holds the keys of all its tokens but the last sampled one
-        if rows:  # no logits needed, only the keys
-            self._forward(rows, [r.ids[:-1] for r in rows], start=[0] * len(rows), prefill=True, logits=False)
+        self._forward(rows, [r.ids[:-1] for r in rows], start=[0] * len(rows), prefill=True, logits=False)
 
     @torch.inference_mode()  # not no_grad: it also skips autograd's view and version tracking
     def _forward(self, rows, chunks, start, prefill=False, logits=True):
         """-> logits (B, V) at each row's last chunk token. prefill: the chunks hold every placeholder, so images go
         in. Groups of at most `chunk_tokens` padded tokens, logits only at the last position ((B, T, V) would not
         fit), tensors built per group, not per row: small tensors cost more than the decode step's compute."""
-        out, i, dev = [], 0, self.cache.k.device
+        out = []  # (b, V) of each group
+        dev = self.cache.k.device
+        i = 0  # the group's first row
         while i < len(rows):
-            n, T = 1, len(chunks[i])
+            n, T = 1, len(chunks[i])  # the group's rows and padded length
             while i + n < len(rows) and (n + 1) * max(T, len(chunks[i + n])) <= self.chunk_tokens:
                 n, T = n + 1, max(T, len(chunks[i + n]))
-            group, lens, starts = rows[i:i + n], torch.tensor([len(ch) for ch in chunks[i:i + n]]), start[i:i + n]
+            group = rows[i:i + n]
+            lens = torch.tensor([len(ch) for ch in chunks[i:i + n]])  # (b,)
             ids = torch.tensor([ch + [0] * (T - len(ch)) for ch in chunks[i:i + n]], device=dev)  # (b, T), right-padded
-            pos = torch.tensor(starts)[:, None] + torch.arange(T)  # (b, T); padding continues them: past the row
+            pos = torch.tensor(start[i:i + n])[:, None] + torch.arange(T)  # (b, T); padding's run on past the row
             slots = torch.tensor([r.slot for r in group])  # (b,)
             images = [im.to(dev) for r in group for im in r.images or ()] if prefill else []
             last = torch.arange(T) == (lens - 1)[:, None]  # (b, T): each row's last token
@@ -160,22 +171,25 @@ class TorchEngine:
             if self.shared_version is not None and self.shared_version.value != self.version:
                 self.set_weights(self.source or {}, self.shared_version.value)
             new = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free)))]
-            for r in new:
-                r.slot = self.free.pop()
-                self.active[r.slot] = r
+            for req in new:
+                req.slot = self.free.pop()
+                self.active[req.slot] = req
                 if self.routing is not None:
-                    self.routing[r.slot] = -1  # forget the previous occupant's experts
+                    self.routing[req.slot] = -1  # forget the previous occupant's experts
             if new:  # prefill: the whole prompt of each new row; sample its first token. Equal prompts and images (a
-                lead = {}  # GRPO group's) are computed once, its keys, values and experts copied to the others
-                src = [lead.setdefault((*r.ids, *(im.numpy().tobytes() for im in r.images or ())), r) for r in new]
-                logits = self._forward(uniq := [*lead.values()], [r.ids for r in uniq], [0] * len(uniq), prefill=True)
-                if dup := [(r.slot, s.slot) for r, s in zip(new, src) if r is not s]:
-                    (d, s), n = map(list, zip(*dup)), max(len(r.ids) for r in new)
-                    for t in (self.cache.k, self.cache.v):  # (L, S, nkv, max_len, hd)
-                        t[:, d, :, :n] = t[:, s, :, :n]
+                first = {}  # GRPO group's) are computed once, its keys, values and experts copied to the others
+                leads = [first.setdefault((*r.ids, *(im.numpy().tobytes() for im in r.images or ())), r) for r in new]
+                uniq = list(first.values())
+                logits = self._forward(uniq, [r.ids for r in uniq], [0] * len(uniq), prefill=True)
+                copies = [(r.slot, lead.slot) for r, lead in zip(new, leads) if r is not lead]  # (to, from)
+                if copies:
+                    dst, src = map(list, zip(*copies))
+                    longest = max(len(r.ids) for r in new)
+                    for kv in (self.cache.k, self.cache.v):  # (L, S, nkv, max_len, hd)
+                        kv[:, dst, :, :longest] = kv[:, src, :, :longest]
                     if self.routing is not None:
-                        self.routing[d, :n] = self.routing[s, :n]
-                self._sample(new, logits[[uniq.index(s) for s in src]])
+                        self.routing[dst, :longest] = self.routing[src, :longest]
+                self._sample(new, logits[[uniq.index(lead) for lead in leads]])
             # in slot order: when the slots in use are consecutive (all busy), the cache reads them as a view
             rows = [self.active[s] for s in sorted(self.active) if self.active[s] not in new]
             if rows:  # decode: feed each row's last sampled token
@@ -185,20 +199,20 @@ class TorchEngine:
     def _sample(self, rows, logits):
         u = uniform([[self.seed, *r.key, len(r.ids)] for r in rows])  # (B,); len(r.ids): the new token's position
         ids, logps = torch.zeros(len(rows), dtype=torch.long), torch.zeros(len(rows))
-        for s in {r.sampling for r in rows}:  # an evaluation's rows sample with its own settings
-            at = [i for i, r in enumerate(rows) if r.sampling == s]
-            ids[at], logps[at] = (x.cpu() for x in sample(logits[at], u[at], **self.sampling | dict(s)))
+        for setting in {r.sampling for r in rows}:  # an evaluation's rows sample with its own settings
+            at = [i for i, r in enumerate(rows) if r.sampling == setting]
+            ids[at], logps[at] = (x.cpu() for x in sample(logits[at], u[at], **self.sampling | dict(setting)))
         self.tokens_generated += len(rows)
-        for r, t, lp in zip(rows, ids.tolist(), logps.tolist()):
-            r.ids.append(t)
-            r.logprobs.append(lp)
-            r.versions.append(self.version)
-            if t in self.stop_ids or len(r.ids) - r.prompt_len >= r.max_new or len(r.ids) >= self.max_len:
-                del self.active[r.slot]
-                self.free.append(r.slot)
-                routing = self.routing[r.slot, :len(r.ids)].clone() if self.routing is not None else None
-                if not r.future.done():  # an agent cancelled by its timeout no longer waits
-                    r.future.set_result(Completion(r.ids[r.prompt_len:], r.logprobs, r.versions, routing))
+        for req, token, lp in zip(rows, ids.tolist(), logps.tolist()):
+            req.ids.append(token)
+            req.logprobs.append(lp)
+            req.versions.append(self.version)
+            if token in self.stop_ids or len(req.ids) - req.prompt_len >= req.max_new or len(req.ids) >= self.max_len:
+                del self.active[req.slot]
+                self.free.append(req.slot)
+                routing = self.routing[req.slot, :len(req.ids)].clone() if self.routing is not None else None
+                if not req.future.done():  # an agent cancelled by its timeout no longer waits
+                    req.future.set_result(Completion(req.ids[req.prompt_len:], req.logprobs, req.versions, routing))
 
     async def run(self):
         while True:

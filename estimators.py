@@ -93,8 +93,9 @@ def gae(*, rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam
     V_next - V_t, A_t = delta_t + gamma lam A_next, next being the row's next *sampled* token: prompt, tool and
     environment tokens between turns are skipped (no actions; verl's and AReaL's multi-turn way). V = 0 past a row's
     last sampled token (the episode ended). -> (advantages, returns = advantages + values), 0 where loss_mask is 0."""
-    adv, next_v, next_a = torch.zeros_like(values), values.new_zeros(len(values)), values.new_zeros(len(values))
-    for t in reversed(range(values.shape[1])):  # a scan backward over positions; next_v, next_a [B]
+    adv = torch.zeros_like(values)
+    next_v = next_a = values.new_zeros(len(values))  # [B]: V and A at each row's next sampled token
+    for t in reversed(range(values.shape[1])):  # a scan backward over positions
         sampled = loss_mask[:, t].bool()
         a = rewards[:, t] + gamma * next_v - values[:, t] + gamma * lam * next_a
         adv[:, t] = torch.where(sampled, a, 0.0)

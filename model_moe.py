@@ -59,8 +59,8 @@ class ModelConfig:
 
     def grid(self, image):
         """(C, H, W) image -> (h, w), the grid of its placeholder tokens: one per merge x merge patches."""
-        f = self.vision["patch_size"] * self.vision["spatial_merge_size"]
-        return image.shape[-2] // f, image.shape[-1] // f
+        side = self.vision["patch_size"] * self.vision["spatial_merge_size"]  # pixels
+        return image.shape[-2] // side, image.shape[-1] // side
 
     def check_placeholders(self, n, images):
         if n != sum(tokens := [h * w for h, w in map(self.grid, images)]):
@@ -75,44 +75,44 @@ class ModelConfig:
         return cls.from_hf(json.loads(cfg_path.read_text()), cfg_path)
 
     @classmethod
-    def from_hf(cls, d, path="config.json"):
-        arch = (d.get("architectures") or ["?"])[0]
+    def from_hf(cls, hf, path="config.json"):
+        arch = (hf.get("architectures") or ["?"])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
-        if vision := d.get("vision_config"):  # Qwen3-VL: the decoder's settings are in text_config
-            top = {k: d[k] for k in ("image_token_id", "tie_word_embeddings") if k in d}
-            d = d["text_config"] | top | {"vision": vision}
-        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        if vision := hf.get("vision_config"):  # Qwen3-VL: the decoder's settings are in text_config
+            top = {k: hf[k] for k in ("image_token_id", "tie_word_embeddings") if k in hf}
+            hf = hf["text_config"] | top | {"vision": vision}
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         rope = {"rope_type": rope.get("type", "default"), **rope}  # "type": the older configs' name
         # what these families may set and this model does not implement is refused by name, never ignored
         for key, ok in [("rope_type", ("default", "llama3")), ("hidden_act", ("silu",)), ("mlp_bias", (False,)),
                         ("use_sliding_window", (False,)), ("partial_rotary_factor", (1.0,)),
                         ("mrope_interleaved", (True,))]:  # the vision tower is transformers': it reads its own
-            if (value := {**d, **rope}.get(key, ok[0])) not in ok:
+            if (value := {**hf, **rope}.get(key, ok[0])) not in ok:
                 raise ValueError(f"{path}: {key}={value!r} is not supported (supported: {', '.join(map(repr, ok))})")
-        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
+        kw = {f.name: hf[f.name] for f in fields(cls) if f.name in hf and hf[f.name] is not None}
         return cls(**kw | dict(
-            family=ARCHITECTURES[arch], rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            family=ARCHITECTURES[arch], rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling={k: rope[k] for k in LLAMA3_ROPE} if rope["rope_type"] == "llama3" else None,
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             mrope_section=rope.get("mrope_section") if vision else None,
-            num_experts=d.get("num_experts", d.get("num_local_experts", 0)) if "Moe" in arch else 0))
+            num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)) if "Moe" in arch else 0))
 
     def to_hf(self):
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("family", "rope_scaling", "vision",
-                                                                                 "image_token_id", "mrope_section")}
+        hf = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("family", "rope_scaling", "vision",
+                                                                                  "image_token_id", "mrope_section")}
         moe = self.num_experts > 0
         arch = "Qwen3MoeForCausalLM" if moe else next(a for a, f in ARCHITECTURES.items() if f == self.family)
         rope = {"rope_type": "llama3" if self.rope_scaling else "default", "rope_theta": self.rope_theta}
         rope |= {"mrope_section": self.mrope_section, "mrope_interleaved": True} if self.vision else {}
-        d |= dict(architectures=[arch], model_type="qwen3_moe" if moe else self.family, hidden_act="silu",
-                  rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
-                  num_local_experts=self.num_experts)
+        hf |= dict(architectures=[arch], model_type="qwen3_moe" if moe else self.family, hidden_act="silu",
+                   rope_parameters={**rope, **(self.rope_scaling or {})}, torch_dtype="float32",
+                   num_local_experts=self.num_experts)
         if not self.vision:
-            return d
+            return hf
         vl = "qwen3_vl_moe" if moe else "qwen3_vl"  # Qwen3-VL: the decoder's settings go in text_config
         return dict(architectures=[("Qwen3VLMoe" if moe else "Qwen3VL") + "ForConditionalGeneration"], model_type=vl,
-                    text_config=d | {"model_type": vl + "_text"}, vision_config=self.vision, torch_dtype="float32",
+                    text_config=hf | {"model_type": vl + "_text"}, vision_config=self.vision, torch_dtype="float32",
                     image_token_id=self.image_token_id, tie_word_embeddings=self.tie_word_embeddings)
 
 
@@ -125,26 +125,27 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
-def inv_freq(c: ModelConfig, device):
+def inv_freq(mc: ModelConfig, device):
     """-> (hd/2,) rotary frequencies, fp32 as in the reference. Llama 3 scaling (arXiv:2407.21783) divides by
     factor those of wavelength > original_max / low_freq_factor, keeps those < original_max / high_freq_factor."""
-    f = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float() / c.head_dim))
-    if s := c.rope_scaling:
-        lo, hi = s["low_freq_factor"], s["high_freq_factor"]
-        keep = ((s["original_max_position_embeddings"] * f / (2 * math.pi) - lo) / (hi - lo)).clamp(0, 1)
-        f = (1 - keep) * f / s["factor"] + keep * f  # keep: 0 .. 1, linear in original_max / wavelength between
+    f = 1.0 / mc.rope_theta ** (torch.arange(0, mc.head_dim, 2, dtype=torch.int64, device=device).float() / mc.head_dim)
+    if scaling := mc.rope_scaling:
+        lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        keep = ((scaling["original_max_position_embeddings"] * f / (2 * math.pi) - lo) / (hi - lo)).clamp(0, 1)
+        f = (1 - keep) * f / scaling["factor"] + keep * f  # keep: 0 .. 1, linear in original_max / wavelength between
     return f
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, mc: ModelConfig):
         super().__init__()
-        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv_bias = c.attention_bias or c.family == "qwen2"  # Qwen2: biases on q, k, v, none on o
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(c.hidden_size, n * self.hd, bias=qkv_bias)
+        self.nh, self.nkv = mc.num_attention_heads, mc.num_key_value_heads  # query heads, key/value heads
+        self.hd = mc.head_dim
+        qkv_bias = mc.attention_bias or mc.family == "qwen2"  # Qwen2: biases on q, k, v, none on o
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(mc.hidden_size, n * self.hd, bias=qkv_bias)
                                                  for n in (self.nh, self.nkv, self.nkv))
-        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.attention_bias)
-        norm = (lambda: RMSNorm(self.hd, c.rms_norm_eps)) if c.family == "qwen3" else nn.Identity  # per head
+        self.o_proj = nn.Linear(self.nh * self.hd, mc.hidden_size, bias=mc.attention_bias)
+        norm = (lambda: RMSNorm(self.hd, mc.rms_norm_eps)) if mc.family == "qwen3" else nn.Identity  # per head
         self.q_norm, self.k_norm = norm(), norm()
 
     def forward(self, x, cos, sin, mask, cache=None):
@@ -156,7 +157,7 @@ class Attention(nn.Module):
         q, k = (t * cos + t.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin for t in (q, k))
         if cache is not None:  # write this call's keys at their positions, attend over the slot's history
             k, v = cache(k, v)
-        if x.is_cpu and x.dtype != torch.float32:  # by hand (SDPA's bf16 backward: 4x slower), G heads stacked on T
+        if x.is_cpu and x.dtype != torch.float32:  # by hand (SDPA's bf16 backward is slow), G heads stacked on T
             s = q.unflatten(1, (self.nkv, -1)).flatten(2, 3) @ k.transpose(-1, -2) * self.hd ** -0.5  # (B, nkv, G*T, n)
             p = s.unflatten(2, (-1, T)).masked_fill(~mask[:, None, None], -torch.inf).softmax(-1, dtype=torch.float32)
             y = (p.to(v.dtype).flatten(2, 3) @ v).unflatten(2, (-1, T)).flatten(1, 2)  # (B, nh, T, hd)
@@ -180,7 +181,8 @@ class LoRALinear(nn.Module):
     B (out, r) zero, so training starts at the base model. Keys: weight, bias (the base's), lora_A, lora_B."""
     def __init__(self, base: nn.Linear, rank, scale):
         super().__init__()
-        self.weight, self.bias, self.scale = base.weight, base.bias, scale
+        self.weight, self.bias = base.weight, base.bias  # the frozen base layer's, under its keys
+        self.scale = scale
         self.lora_A = nn.Parameter(base.weight.new_empty(rank, base.in_features).normal_(0, base.in_features ** -0.5))
         self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, rank))
 
@@ -213,12 +215,13 @@ def merge_lora(model, sd):
 
 class MoE(nn.Module):
     """Softmax router, top-k experts, SwiGLU experts stored stacked; tokens grouped per expert."""
-    def __init__(self, c: ModelConfig):
+    def __init__(self, mc: ModelConfig):
         super().__init__()
-        E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
-        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
+        E, H = mc.num_experts, mc.hidden_size
+        ffn = mc.moe_intermediate_size  # an expert's hidden width
+        self.top_k, self.norm_topk_prob = mc.num_experts_per_tok, mc.norm_topk_prob
         self.gate = nn.Linear(H, E, bias=False)  # the router
-        self.w_gate, self.w_up, self.w_down = (nn.Parameter(torch.empty(E, *s)) for s in ((I, H), (I, H), (H, I)))
+        self.w_gate, self.w_up, self.w_down = (nn.Parameter(torch.empty(E, *s)) for s in ((ffn, H), (ffn, H), (H, ffn)))
 
     @torch.compiler.disable  # under torch.compile (train.py's compile): CPU's grouped_mm traces only in bfloat16
     def forward(self, x, replay=None, aux_mask=None):
@@ -236,11 +239,10 @@ class MoE(nn.Module):
             weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        E, H, k = len(self.w_gate), shape[-1], self.top_k
+        E, k = len(self.w_gate), self.top_k  # experts, experts per token
         flat = experts.flatten()  # (N*k,) in token order
         counts = torch.bincount(flat, minlength=E)
-        # load-balancing loss (Switch Transformer, arXiv:2101.03961): E * sum_e (share of assignments to e) *
-        # (mean router probability of e) over the counted tokens; 1 when balanced
+        # load balancing (arXiv:2101.03961, Switch): E * sum_e share_e * mean prob_e over kept tokens; 1 when balanced
         self.aux_loss = None
         if torch.is_grad_enabled():
             keep = torch.ones(len(x), device=x.device) if aux_mask is None else aux_mask.reshape(-1).to(probs.dtype)
@@ -252,17 +254,17 @@ class MoE(nn.Module):
         xs = x[order // k]  # (N*k, H)
         h = F.silu(F.grouped_mm(xs, self.w_gate.mT, offs=ends)) * F.grouped_mm(xs, self.w_up.mT, offs=ends)
         out = F.grouped_mm(h, self.w_down.mT, offs=ends)[order.argsort()]  # (N*k, H) in token order
-        y = (out.view(-1, k, H) * weights[..., None].to(x.dtype)).sum(1)  # each token's k rows, weighted
+        y = (out.view(-1, k, x.shape[-1]) * weights[..., None].to(x.dtype)).sum(1)  # each token's k rows, weighted
         return y.reshape(shape), experts.reshape(*shape[:-1], self.top_k)
 
 
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig, i):
+    def __init__(self, mc: ModelConfig, i):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MoE(c) if c.is_moe_layer(i) else MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.self_attn = Attention(mc)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.mlp = MoE(mc) if mc.is_moe_layer(i) else MLP(mc.hidden_size, mc.intermediate_size)
 
     def forward(self, x, cos, sin, mask, cache=None, replay=None, aux_mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
@@ -274,34 +276,36 @@ class Block(nn.Module):
 class KVCache:
     """One slot per request: k, v (L, S, nkv, max_len, hd). A row's token at position p sits at index p of its slot:
     rows of any lengths share a batch; a freed slot is reused uncleared (stale entries lie past the new positions)."""
-    def __init__(self, c: ModelConfig, n_slots, max_len, dtype=torch.float32, device="cpu"):
-        shape = (c.num_hidden_layers, n_slots, c.num_key_value_heads, max_len, c.head_dim)
+    def __init__(self, mc: ModelConfig, n_slots, max_len, dtype=torch.float32, device="cpu"):
+        shape = (mc.num_hidden_layers, n_slots, mc.num_key_value_heads, max_len, mc.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
     def bind(self, slots, positions):
         """For one forward of rows in slots (B,) at positions (B, T): -> n_keys and update(i, k, v), which writes
         layer i's k, v (B, nkv, T, hd) in and returns the slots' keys and values (B, nkv, n_keys, hd)."""
-        nkv, L, hd = self.k.shape[2:]
-        n_keys, B, first = int(positions.max()) + 1, len(slots), int(slots[0])
+        nkv, max_len, hd = self.k.shape[2:]
+        n_keys = int(positions.max()) + 1
         # row of each (slot, head, position) in a layer's (S * nkv * max_len, hd) view: a write is one
         # index_copy_, its index computed once for all layers (not advanced indexing in each layer)
         heads = torch.arange(nkv, device=slots.device)[:, None]
-        at = ((slots[:, None, None] * nkv + heads) * L + positions[:, None]).flatten()  # (B * nkv * T,)
+        at = ((slots[:, None, None] * nkv + heads) * max_len + positions[:, None]).flatten()  # (B * nkv * T,)
         # slots first, first+1, ... (the engine's rows when all slots are busy): read them as a view, no copy
-        in_order = torch.equal(slots, torch.arange(first, first + B, device=slots.device))
+        first = int(slots[0])
+        in_order = torch.equal(slots, torch.arange(first, first + len(slots), device=slots.device))
 
         def update(i, k, v):
             for cache, new in ((self.k[i], k), (self.v[i], v)):
                 cache.view(-1, hd).index_copy_(0, at, new.reshape(-1, hd))
             kv = self.k[i, :, :, :n_keys], self.v[i, :, :, :n_keys]  # (S, nkv, n_keys, hd) each, views
-            return [t[first:first + B] if in_order else t.index_select(0, slots) for t in kv]
+            return [t[first:first + len(slots)] if in_order else t.index_select(0, slots) for t in kv]
         return n_keys, update
 
 
-def patches(images, v):
+def patches(images, vision):
     """(C, H, W) images in [0, 1] -> (their patches (N, C * T * p * p), grid_thw (n, 3)) as Qwen3-VL's processor makes
     them: scaled to [-1, 1], the frame repeated T = temporal_patch_size times, patches grouped merge x merge."""
-    p, m, T, rows = v["patch_size"], v["spatial_merge_size"], v["temporal_patch_size"], []
+    p, m, T = (vision[k] for k in ("patch_size", "spatial_merge_size", "temporal_patch_size"))
+    rows = []
     for im in images:  # (C, h/m, m, p, w/m, m, p) -> (h/m, w/m, m, m, C, p, p): merge blocks in raster order
         x = ((im - 0.5) / 0.5).reshape(len(im), im.shape[1] // p // m, m, p, im.shape[2] // p // m, m, p)
         x = x.permute(1, 4, 2, 5, 0, 3, 6).unsqueeze(-3)
@@ -310,28 +314,27 @@ def patches(images, v):
 
 
 class Transformer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, mc: ModelConfig):
         super().__init__()
-        self.config = c
+        self.config = mc
         self.model = nn.Module()  # the nesting only mirrors Hugging Face key names
-        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.model.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
-        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.model.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        self.model.layers = nn.ModuleList(Block(mc, i) for i in range(mc.num_hidden_layers))
+        self.model.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
         self.checkpointing = False  # activation checkpointing: each block recomputed in backward (replay included)
-        if c.tie_word_embeddings:
+        if mc.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        if c.vision:
-            # Qwen3-VL's vision tower (arXiv:2511.21631), transformers' own module: nothing here samples or routes
+        if mc.vision:  # Qwen3-VL's vision tower (arXiv:2511.21631), transformers' own: it neither samples nor routes
             from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionConfig, Qwen3VLVisionModel
-            self.visual = Qwen3VLVisionModel(Qwen3VLVisionConfig(**c.vision))  # keys model.visual.* on disk
+            self.visual = Qwen3VLVisionModel(Qwen3VLVisionConfig(**mc.vision))  # keys model.visual.* on disk
 
+    @torch.no_grad()
     def init_weights(self, seed=0, std=0.02):
-        g = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
-            with torch.no_grad():
-                one = name.endswith(("norm.weight", "norm1.weight", "norm2.weight"))  # RMSNorm's and LayerNorm's
-                p.copy_(torch.ones_like(p) if one else torch.randn(p.shape, generator=g, device=g.device) * std)
+            one = name.endswith(("norm.weight", "norm1.weight", "norm2.weight"))  # RMSNorm's and LayerNorm's
+            p.copy_(torch.ones_like(p) if one else torch.randn(p.shape, generator=gen, device=gen.device) * std)
         return self
 
     def forward(self, ids, positions=None, segments=None, cache=None, slots=None, routing=None,
@@ -344,26 +347,29 @@ class Transformer(nn.Module):
         rope_shift (B,): added to positions (the M-RoPE offset of images before them: the engine's decode).
         logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them).
         aux_mask (B, T) bool: the positions the MoE load-balancing loss (self.aux_loss) counts."""
-        c, (B, T) = self.config, ids.shape
+        mc, (B, T) = self.config, ids.shape
         positions = torch.arange(T, device=ids.device).expand(B, T) if positions is None else positions
         x = self.model.embed_tokens(ids)  # (B, T, C)
-        images, deep, at = list(images if images is not None else []), [], ids == c.image_token_id  # at (B, T)
-        if images and not c.vision:
+        images = list(images if images is not None else [])
+        at = ids == mc.image_token_id  # (B, T): the image placeholders
+        deep = []  # DeepStack's features: one (n, C) per early decoder layer
+        if images and not mc.vision:
             raise ValueError("images given, but this model has no vision tower (not a Qwen3-VL model)")
-        if c.vision and not images and torch.is_grad_enabled():  # under FSDP every rank's tower gets gradients
+        if mc.vision and not images and torch.is_grad_enabled():  # under FSDP every rank's tower gets gradients
             x = x + 0 * sum(p.sum() for p in self.visual.parameters())  # (zeros), a rank without images too
         if images:  # image i's tokens replace its run of placeholders, in row-major order
-            c.check_placeholders(int(at.sum()), images)
+            mc.check_placeholders(int(at.sum()), images)
             rope = self.visual.rotary_pos_emb  # its buffer, not in the state dict: made anew (meta, FSDP's to_empty)
             rope.inv_freq = rope.compute_axial_rope_parameters(rope.config, ids.device)[0]
-            out = self.visual(*patches(images, c.vision))  # tokens (n, C) and DeepStack's [(n, C)]
+            out = self.visual(*patches(images, mc.vision))  # tokens (n, C) and DeepStack's [(n, C)]
             feats, deep = out.pooler_output, out.deepstack_features
             x = x.masked_scatter(at[..., None], feats.to(x.dtype))  # fills the True positions in row-major order
         pos = positions if rope_shift is None else positions + rope_shift[:, None].to(positions.device)
-        pos, j = self.mrope(ids, pos, images) if c.vision else pos[None], torch.arange(c.head_dim // 2)  # (3|1, B, T)
+        pos = self.mrope(ids, pos, images) if mc.vision else pos[None]  # (3|1, B, T)
+        j = torch.arange(mc.head_dim // 2)
         # interleaved M-RoPE: frequency j turns with axis j % 3 (t, h, w) while within its mrope_section, else with t
-        axes = torch.where(j < 3 * torch.tensor(c.mrope_section)[j % 3], j % 3, 0) if c.vision else j * 0
-        freqs = pos[axes].permute(1, 2, 0)[:, None].float() * inv_freq(c, ids.device)  # (B, 1, T, hd/2)
+        axes = torch.where(j < 3 * torch.tensor(mc.mrope_section)[j % 3], j % 3, 0) if mc.vision else j * 0
+        freqs = pos[axes].permute(1, 2, 0)[:, None].float() * inv_freq(mc, ids.device)  # (B, 1, T, hd/2)
         cos, sin = torch.cat((freqs, freqs), -1).cos().to(x.dtype), torch.cat((-freqs, freqs), -1).sin().to(x.dtype)
         if cache is not None:
             n_keys, kv = cache.bind(slots, positions)
@@ -381,7 +387,7 @@ class Transformer(nn.Module):
                 routes.append(experts)
             if i < len(deep):  # DeepStack: an intermediate vision block's features added to the image tokens
                 x = x + torch.zeros_like(x).masked_scatter(at[..., None], deep[i].to(x.dtype))
-        moe = [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
+        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
         self.aux_loss = sum(m.aux_loss for m in moe) / len(moe) if moe and moe[0].aux_loss is not None else None
         self.flips = sum(m.flips for m in moe) if moe and moe[0].flips is not None else None  # over the layers
         logits = self.lm_head(self.model.norm(x if logits_at is None else x[logits_at]))
@@ -390,38 +396,39 @@ class Transformer(nn.Module):
     def mrope(self, ids, pos, images):
         """-> (3, B, T) M-RoPE positions (t, h, w) from pos (B, T): a text token at p is at (p, p, p); an image's h x w
         tokens from p are at (p, p + row, p + col), and the text after it goes on from p + max(h, w)."""
-        pos, n, at = pos[None].repeat(3, 1, 1), 0, (ids == self.config.image_token_id).nonzero().tolist()
+        out = pos[None].repeat(3, 1, 1)
+        at = (ids == self.config.image_token_id).nonzero().tolist()  # (row, position) of each placeholder left
         for im in images:
-            (h, w), (b, t) = self.config.grid(im), at[n]
+            (h, w), (b, t) = self.config.grid(im), at[0]  # the image's grid; its first placeholder's row, position
             thw = torch.stack(torch.meshgrid(torch.arange(1), torch.arange(h), torch.arange(w), indexing="ij"))
-            pos[:, b, t:t + h * w] = pos[0, b, t] + thw.flatten(1).to(pos.device)  # (3, h * w)
-            pos[:, b, t + h * w:] += max(h, w) - h * w
-            n += h * w
-        return pos
+            out[:, b, t:t + h * w] = out[0, b, t] + thw.flatten(1).to(out.device)  # (3, h * w)
+            out[:, b, t + h * w:] += max(h, w) - h * w
+            at = at[h * w:]  # the next image's placeholders
+        return out
 
     # ---- Hugging Face checkpoints ----
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
         """path: a Hugging Face directory, or a .gguf file (converted once, into convert_gguf's default out_dir)."""
         path = convert_gguf(str(path)) if str(path).endswith(".gguf") else path
-        c, index = ModelConfig.load(path), Path(path, "model.safetensors.index.json")
+        mc, index = ModelConfig.load(path), Path(path, "model.safetensors.index.json")
         with torch.device("meta"):
-            model = cls(c)
+            model = cls(mc)
         # a sharded checkpoint lists its files in the index; a missing file raises FileNotFoundError, naming it
         files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else ["model.safetensors"]
         state = {k: t for name in sorted(files) for k, t in load_file(os.path.join(path, name)).items()}
-        expected = to_hf_state(model.state_dict(), c)
+        expected = to_hf_state(model.state_dict(), mc)
         missing = [k for k in expected if k not in state]
-        extra = [k for k in state if k not in expected and not (k == "lm_head.weight" and c.tie_word_embeddings)]
+        extra = [k for k in state if k not in expected and not (k == "lm_head.weight" and mc.tie_word_embeddings)]
         if missing or extra:
             raise ValueError(f"{path}: missing {missing[:5]}, unexpected {extra[:5]} (checkpoint vs config.json)")
         for k, t in expected.items():  # Qwen3-VL-MoE's fused experts: the Hub's layout or transformers' (transposed)
             if state[k].shape != t.shape and not (k.endswith("_proj") and state[k].mT.shape == t.shape):
                 raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)}, config.json expects {tuple(t.shape)}")
-        own = from_hf_state({k: state[k].to(device, dtype) for k in expected}, c)
+        own = from_hf_state({k: state[k].to(device, dtype) for k in expected}, mc)
         own.setdefault("lm_head.weight", own["model.embed_tokens.weight"])  # tied: not on disk
         model.load_state_dict(own, strict=True, assign=True)
-        if c.tie_word_embeddings:
+        if mc.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         return model
 
@@ -430,48 +437,48 @@ class Transformer(nn.Module):
         save_pretrained(path, self.config, self.state_dict() if state_dict is None else state_dict)
 
 
-def to_hf_state(sd, c: ModelConfig):
+def to_hf_state(sd, mc: ModelConfig):
     """Our state dict -> Hugging Face keys: experts per expert (Qwen3-VL-MoE: fused as on the Hub, gate_up_proj
     (E, H, 2I) gate first, down_proj (E, I, H)); tied lm_head dropped; Qwen3-VL's decoder under model.language_model."""
     out = {}
     for k, t in sd.items():
         pre, _, name = k.rpartition(".")
-        if name in ("w_gate", "w_down") and c.vision:
+        if name in ("w_gate", "w_down") and mc.vision:
             w = torch.cat([t, sd[f"{pre}.w_up"]], 1) if name == "w_gate" else t
             out[f"{pre}.experts.{'gate_up' if name == 'w_gate' else 'down'}_proj"] = w.mT
-        elif name in ("w_gate", "w_up", "w_down") and not c.vision:  # w_gate[e] is expert e's gate_proj.weight
+        elif name in ("w_gate", "w_up", "w_down") and not mc.vision:  # w_gate[e] is expert e's gate_proj.weight
             out.update({f"{pre}.experts.{e}.{name[2:]}_proj.weight": t[e] for e in range(len(t))})
-        elif name != "w_up" and not (k == "lm_head.weight" and c.tie_word_embeddings):
+        elif name != "w_up" and not (k == "lm_head.weight" and mc.tie_word_embeddings):
             out[k] = t
-    if not c.vision:
+    if not mc.vision:
         return out
     return {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else
              k.replace("visual.", "model.visual.", 1)): t for k, t in out.items()}
 
 
-def from_hf_state(hf, c: ModelConfig):
+def from_hf_state(hf, mc: ModelConfig):
     """Hugging Face keys -> our state dict: per-expert tensors (checkpoints) stacked, transformers' fused ones split."""
     hf = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): t for k, t in hf.items()}
     out = {k: t for k, t in hf.items() if ".experts." not in k}
     for pre in dict.fromkeys(k.split(".experts.")[0] for k in hf if ".experts." in k):  # each MoE layer's mlp
         if f"{pre}.experts.gate_up_proj" in hf:  # transformers 5's in memory: (E, 2I, H), gate first; the Hub's
             gate_up, down = hf[f"{pre}.experts.gate_up_proj"], hf[f"{pre}.experts.down_proj"]  # Qwen3-VL-MoE:
-            if gate_up.shape[1] != 2 * c.moe_intermediate_size:  # (E, H, 2I) and (E, I, H)
+            if gate_up.shape[1] != 2 * mc.moe_intermediate_size:  # (E, H, 2I) and (E, I, H)
                 gate_up, down = gate_up.mT, down.mT
             out[f"{pre}.w_gate"], out[f"{pre}.w_up"] = (t.contiguous() for t in gate_up.chunk(2, dim=1))
             out[f"{pre}.w_down"] = down.contiguous()
             continue
         for w in ("gate", "up", "down"):
-            out[f"{pre}.w_{w}"] = torch.stack([hf[f"{pre}.experts.{e}.{w}_proj.weight"] for e in range(c.num_experts)])
+            out[f"{pre}.w_{w}"] = torch.stack([hf[f"{pre}.experts.{e}.{w}_proj.weight"] for e in range(mc.num_experts)])
     return out
 
 
-def save_pretrained(path, c: ModelConfig, sd, hf_config=None):
-    """config.json (hf_config, default c.to_hf()) + model.safetensors of our state dict sd."""
+def save_pretrained(path, mc: ModelConfig, sd, hf_config=None):
+    """config.json (hf_config, default mc.to_hf()) + model.safetensors of our state dict sd."""
     os.makedirs(path, exist_ok=True)
-    hf = {k: t.detach().contiguous().cpu() for k, t in to_hf_state(sd, c).items()}
+    hf = {k: t.detach().contiguous().cpu() for k, t in to_hf_state(sd, mc).items()}
     save_file(hf, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    Path(path, "config.json").write_text(json.dumps(hf_config or c.to_hf(), indent=2))
+    Path(path, "config.json").write_text(json.dumps(hf_config or mc.to_hf(), indent=2))
 
 
 def convert_gguf(gguf_path, out_dir=None):
@@ -486,10 +493,10 @@ def convert_gguf(gguf_path, out_dir=None):
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # transformers refuses to save a model it marks quantized: its config minus the quantization, plus the
     # architecture (a GGUF-derived config has none), is a plain checkpoint's, bos/eos ids kept
-    d = {k: v for k, v in hf.config.to_dict().items() if k != "quantization_config"}
-    d["architectures"] = [type(hf).__name__]
-    c = ModelConfig.from_hf(d, gguf_path)  # an unsupported model fails here, before anything is written
-    save_pretrained(out_dir + ".tmp", c, from_hf_state(hf.state_dict(), c), hf_config=d)
+    hf_config = {k: v for k, v in hf.config.to_dict().items() if k != "quantization_config"}
+    hf_config["architectures"] = [type(hf).__name__]
+    mc = ModelConfig.from_hf(hf_config, gguf_path)  # an unsupported model fails here, before anything is written
+    save_pretrained(out_dir + ".tmp", mc, from_hf_state(hf.state_dict(), mc), hf_config=hf_config)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir + ".tmp")
     os.replace(out_dir + ".tmp", out_dir)  # whole or not at all: a killed conversion is redone
     return out_dir

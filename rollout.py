@@ -33,9 +33,20 @@ class Policy:
     """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`. One per episode: it keeps
     what the engine was given and returned, to check the episode against (token identity)."""
     def __init__(self, engine, tokenizer, episode=None, sampling=None):
-        self.engine, self.tokenizer, self.calls, self.closed, self.full = engine, tokenizer, [], False, False
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.calls = []  # (prompt ids, Completion, images) of each call the engine answered
+        self.closed = False  # the episode timed out
+        self.full = False  # the engine had no room for a call (ContextFull)
         self.sampling = sampling or {}  # an evaluation's temperature, top_p, max_new_tokens; {}: the run's
-        self.keys = None if episode is None else zip(itertools.repeat(episode), itertools.count())  # (episode, call)
+        self.keys = itertools.repeat(None) if episode is None else zip(itertools.repeat(episode), itertools.count())
+        # endpoint.attach sets these: the chat endpoint's address and key, and the episode's record there
+        self.api_key = None
+        self.model = None
+        self.base_url = None
+        self.segs = []  # {"ep", "ids", "calls", "text"} for each segment of the conversation
+        self.lock = None  # one call of the episode at a time
+        self.counts = {}  # tool calls, well-formed and malformed
 
     async def generate(self, ids, max_new_tokens=None, images=None):
         """images: a list of (C, H, W) tensors in [0, 1], one per run of placeholders in ids, in order."""
@@ -45,30 +56,30 @@ class Policy:
         sampling = dict(self.sampling)
         max_new_tokens = max_new_tokens or sampling.pop("max_new_tokens", None)
         try:
-            c = await self.engine.generate(ids, max_new_tokens, images=images, key=self.keys and next(self.keys),
-                                           sampling=sampling)
+            completion = await self.engine.generate(ids, max_new_tokens, images=images, key=next(self.keys),
+                                                    sampling=sampling)
         except ContextFull:
             self.full = True  # an agent that gives up now (a chat agent's client raises the 400) is truncated
             raise
-        self.calls.append((list(ids), c, images))
-        return c
+        self.calls.append((list(ids), completion, images))
+        return completion
 
 
-def check_images(ids, images, c):
-    """-> the images as a list of float (C, H, W), or None. c: the engine's ModelConfig (None: it takes no images). A
+def check_images(ids, images, mc):
+    """-> the images as a list of float (C, H, W), or None. mc: the engine's ModelConfig (None: it takes no images). A
     ValueError for images without a vision tower, of a wrong shape or range, or not matching the placeholders."""
     images = list(images if images is not None else [])
-    if c is None or not c.vision:
+    if mc is None or not mc.vision:
         if images:
             raise ValueError("images given, but the engine takes none (a text model, or vLLM)")
         return None
-    f = c.vision["patch_size"] * c.vision["spatial_merge_size"]
+    f = mc.vision["patch_size"] * mc.vision["spatial_merge_size"]
     for i, im in enumerate(images):
         if not (isinstance(im, torch.Tensor) and im.is_floating_point() and im.dim() == 3 and len(im) == 3
                 and all(s >= f and s % f == 0 for s in im.shape[1:]) and bool(((im >= 0) & (im <= 1)).all())):
             got = tuple(im.shape) if isinstance(im, torch.Tensor) else type(im).__name__
             raise ValueError(f"image {i}: {got}, the model takes float (3, H, W) in [0, 1], H and W multiples of {f}")
-    c.check_placeholders(sum(t == c.image_token_id for t in ids), images)
+    mc.check_placeholders(sum(t == mc.image_token_id for t in ids), images)
     return [im.float() for im in images] if images else None
 
 
@@ -77,46 +88,51 @@ class Malformed(Exception):
 
 
 COUNTS = ("agent_errors", "agent_timeouts", "malformed")  # episodes dropped, by cause
+CAUSES = ((asyncio.TimeoutError, "agent_timeouts"), (Malformed, "malformed"))  # by the error's class; else agent_errors
 
 
 def check_tokens(ep, calls):
     """The trainer must train exactly the tokens the engine saw and sampled (ValueError otherwise) -> the engine's
     record: logprobs, versions [T] (0.0, -1 where mask 0), routing (T, n_moe, k) int16 or None (-1: not run), ids."""
     T = len(ep.ids)
-    logprobs, versions, sampled, routing = [0.0] * T, [-1] * T, 0, None
-    for prompt, c, images in calls:
-        p, n = len(prompt), len(c.ids)
-        if not n == len(c.logprobs) == len(c.versions):
-            raise ValueError(f"sampled lengths differ: ids {n}, logprobs {len(c.logprobs)}, versions {len(c.versions)}")
-        if not all(math.isfinite(lp) and v >= 0 for lp, v in zip(c.logprobs, c.versions)):
+    logprobs = [0.0] * T
+    versions = [-1] * T
+    routing = None
+    for prompt, out, images in calls:  # out: the engine's Completion
+        p, n = len(prompt), len(out.ids)  # the call's tokens are ep.ids[p:p + n]
+        if not n == len(out.logprobs) == len(out.versions):
+            raise ValueError(f"sampled lengths differ: ids {n}, logprobs {len(out.logprobs)}, "
+                             f"versions {len(out.versions)}")
+        if not all(math.isfinite(lp) and v >= 0 for lp, v in zip(out.logprobs, out.versions)):
             raise ValueError(f"a sampled token at position {p} has a non-finite logprob or no policy version")
-        if ep.ids[:p] != prompt or ep.ids[p:p + n] != c.ids or not all(ep.loss_mask[p:p + n]):
+        if ep.ids[:p] != prompt or ep.ids[p:p + n] != out.ids or not all(ep.loss_mask[p:p + n]):
             raise ValueError(f"token mismatch: the episode does not contain the engine's call at position {p}")
         if images is not None and not (len(ep.images) >= len(images) and all(
                 torch.equal(a.float(), b) for a, b in zip(ep.images, images))):
             raise ValueError(f"image mismatch: the episode's images differ from the engine's call at position {p}")
-        logprobs[p:p + n], versions[p:p + n] = c.logprobs, c.versions
-        sampled += n
-        if c.routing is not None:
-            if c.routing.dim() != 3 or len(c.routing) != p + n:
-                raise ValueError(f"completion routing shape {tuple(c.routing.shape)}, expected "
+        logprobs[p:p + n], versions[p:p + n] = out.logprobs, out.versions
+        if out.routing is not None:
+            if out.routing.dim() != 3 or len(out.routing) != p + n:
+                raise ValueError(f"completion routing shape {tuple(out.routing.shape)}, expected "
                                  f"(prompt + sampled = {p + n}, n_moe_layers, top_k)")
             if routing is None:
-                routing = torch.full((T, *c.routing.shape[1:]), -1, dtype=torch.int16)
-            known = c.routing >= 0  # the latest computation of a position wins; -1: not computed (a cache hit)
-            routing[:p + n][known] = c.routing[known].to(torch.int16)
-    if sum(ep.loss_mask) != sampled:
-        raise ValueError(f"token mismatch: loss_mask marks {sum(ep.loss_mask)} tokens, the engine sampled {sampled}")
-    return logprobs, versions, routing, torch.tensor([t for _, c, _ in calls for t in c.ids], dtype=torch.long)
+                routing = torch.full((T, *out.routing.shape[1:]), -1, dtype=torch.int16)
+            known = out.routing >= 0  # the latest computation of a position wins; -1: not computed (a cache hit)
+            routing[:p + n][known] = out.routing[known].to(torch.int16)
+    engine_ids = torch.tensor([t for _, out, _ in calls for t in out.ids], dtype=torch.long)  # all it sampled
+    if sum(ep.loss_mask) != len(engine_ids):
+        raise ValueError(f"token mismatch: loss_mask marks {sum(ep.loss_mask)} tokens, "
+                         f"the engine sampled {len(engine_ids)}")
+    return logprobs, versions, routing, engine_ids
 
 
 def truncated_episode(calls):
     """ContextFull: the conversation to its last completion, trained as is (dropping biases to short ones), reward 0."""
-    prompt, c, images = calls[-1]
-    ep = agent_mod.Episode(ids=prompt + c.ids, loss_mask=[0] * (len(prompt) + len(c.ids)),
+    prompt, out, images = calls[-1]  # out: the engine's Completion
+    ep = agent_mod.Episode(ids=prompt + out.ids, loss_mask=[0] * (len(prompt) + len(out.ids)),
                            images=list(images) if images is not None else [], info={"truncated": 1})
-    for prompt, c, _ in calls:
-        ep.loss_mask[len(prompt):len(prompt) + len(c.ids)] = [1] * len(c.ids)
+    for prompt, out, _ in calls:
+        ep.loss_mask[len(prompt):len(prompt) + len(out.ids)] = [1] * len(out.ids)
     return ep
 
 # ---- the rollout process: agents -> episodes -> the shared-memory queue ----
@@ -138,7 +154,7 @@ PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids")  
 
 def pack(group):
     """A group's messages -> one queue item, tensor fields concatenated over the episodes as numpy arrays: pickled by
-    value (a shared-memory tensor passes a file descriptor over a socket, ~0.5 ms each); images as arrays."""
+    value (each shared-memory tensor would pass a file descriptor over a socket); images as arrays."""
     item = {"msgs": [{k: [im.numpy() for im in v] if k == "images" else v for k, v in m.items() if k not in PACKED}
                      for m in group]}
     for k in PACKED:
@@ -150,10 +166,10 @@ def pack(group):
 def unpack(item):
     """pack's inverse: the group's messages (their tensors are views of the arrays)."""
     for k in PACKED:
-        t, sizes = item[k]
-        parts = iter(torch.from_numpy(t).split([s for s in sizes if s >= 0]) if t is not None else ())
-        for m, s in zip(item["msgs"], sizes):
-            m[k] = next(parts) if s >= 0 else None
+        flat, sizes = item[k]  # sizes: -1 for None
+        parts = iter(torch.from_numpy(flat).split([s for s in sizes if s >= 0]) if flat is not None else ())
+        for msg, size in zip(item["msgs"], sizes):
+            msg[k] = next(parts) if size >= 0 else None
     return [m | {"images": [torch.from_numpy(im) for im in m["images"]]} for m in item["msgs"]]
 
 
@@ -208,33 +224,37 @@ def eval_tasks(cfg):
     """The held-out tasks, eval_samples per prompt, at indices -1, -2, ... (the trainer refuses any). make_task seeds
     group g with seed * 1_000_003 + g; prompt p is group 2**40 + p, which training (groups 0, 1, ...) never reaches
     (negative groups would: Random(-n) is Random(n)). A task of few prompts (guess: 5 secrets) repeats some anyway."""
-    K, knobs = cfg.eval_samples, {k: getattr(cfg, k) for k in KNOBS} | dict(group_size=1, task_file=cfg.eval_file)
+    K = cfg.eval_samples
+    knobs = {k: getattr(cfg, k) for k in KNOBS} | dict(group_size=1, task_file=cfg.eval_file)
     return [agent_mod.make_task(cfg.eval_task or cfg.task, 2**40 + j // K, **knobs) | {"index": -1 - j,
             "group": -1 - j // K} for j in range(cfg.eval_prompts * K)]
 
 
-async def evaluate(cfg, one, tokenizer, version, out):
+async def evaluate(cfg, episode, tokenizer, version, out):
     """Weights `version` on eval_tasks, beside training's agents but outside its window and queue: the episodes to
     <out_dir>/eval/step_<version>.jsonl, the eval/ metrics to `out`. A failed episode is counted and scores 0."""
-    t0, tasks, P, K = time.perf_counter(), eval_tasks(cfg), cfg.eval_prompts, cfg.eval_samples
+    t0 = time.perf_counter()
+    tasks = eval_tasks(cfg)
+    K = cfg.eval_samples
     sampling = dict(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                     max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens)
     run = agent_mod.load_agent(cfg.eval_task or cfg.task)
-    done = await asyncio.gather(*(one(t, t["index"], run, sampling) for t in tasks), return_exceptions=True)
+    done = await asyncio.gather(*(episode(t, t["index"], run, sampling) for t in tasks), return_exceptions=True)
     if err := next((e for e in done if isinstance(e, ServerError)), None):
         raise err
     eps = {t["index"]: ms for t, ms in zip(tasks, done) if not isinstance(ms, BaseException)}  # segments of each
     if stale := [i for i, ms in eps.items() for m in ms if (m["versions"][m["loss_mask"] == 1] != version).any()]:
         raise AssertionError(f"evaluation of version {version}: episodes {stale} hold tokens other weights sampled")
-    rewards = torch.tensor([eps[t["index"]][0]["reward"] if t["index"] in eps else 0.0 for t in tasks]).view(P, K)
+    rewards = torch.tensor([eps[t["index"]][0]["reward"] if t["index"] in eps else 0.0 for t in tasks]).view(-1, K)
     os.makedirs(os.path.join(cfg.out_dir, "eval"), exist_ok=True)
     with open(os.path.join(cfg.out_dir, "eval", f"step_{version}.jsonl"), "w") as f:
         for t, ms in zip(tasks, done):
             for row in [{"error": repr(ms)}] if isinstance(ms, BaseException) else [dict(
                     reward=m["reward"], info=m["info"], text=tokenizer.decode(m["ids"].tolist())) for m in ms]:
                 f.write(json.dumps({"step": version, "index": t["index"], "prompt": -1 - t["group"]} | row) + "\n")
-    passed, n = rewards >= cfg.eval_pass_reward, max(len(eps), 1)  # (P, K)
-    out.put({"eval/reward_mean": sum(ms[0]["reward"] for ms in eps.values()) / n,  # over the episodes that ended
+    passed = rewards >= cfg.eval_pass_reward  # (P, K), P: eval_prompts
+    n = max(len(eps), 1)  # the episodes that ended
+    out.put({"eval/reward_mean": sum(ms[0]["reward"] for ms in eps.values()) / n,
              "eval/pass@1": est.pass_at_k(passed=passed, k=1).mean().item(),
              f"eval/pass@{K}": est.pass_at_k(passed=passed, k=K).mean().item(),
              f"eval/mean@{K}": rewards.mean().item(),  # over all P * K, a failed episode's 0 too
@@ -243,83 +263,111 @@ async def evaluate(cfg, one, tokenizer, version, out):
              "eval/truncated": sum(any(m["info"].get("truncated") for m in ms) for ms in eps.values())})
 
 
+async def run_episode(cfg, engine, tokenizer, server, vocab_size, task, index, run, sampling=None):
+    """One agent on one task -> its messages, one per segment; raises TimeoutError, Malformed or the agent's error."""
+    llm = endpoint.attach(server, Policy(engine, tokenizer, index, sampling))  # base_url, api_key, model for chat
+    agent_task = asyncio.ensure_future(run(task, llm))
+    if not (await asyncio.wait([agent_task], timeout=cfg.episode_timeout))[0]:  # (done, pending)
+        # not wait_for: it waits for the cancelled agent to finish, forever if the agent swallows the
+        # cancellation, and its group would hold a place in the staleness window for good
+        llm.closed = True
+        agent_task.cancel()
+        agent_task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nothing to report later
+        raise asyncio.TimeoutError(f"agent still running after episode_timeout={cfg.episode_timeout} s")
+    # an agent that gave up when the engine had no room (ContextFull) is not dropped: its episode is truncated
+    truncated = bool(llm.full and llm.calls and agent_task.exception() is not None)
+    if not truncated:
+        result = agent_task.result()  # an Episode, or a chat agent's reward
+    else:  # reward 0: a chat agent's segments as the endpoint recorded them, else the calls to the last one
+        result = 0.0 if llm.segs else truncated_episode(llm.calls)
+    try:  # a chat agent returned its reward: its episodes (one per segment) come from the endpoint's record
+        pairs = [(result, llm.calls)] if isinstance(result, agent_mod.Episode) else endpoint.segments(llm, result)
+        msgs = []
+        for ep, calls in pairs:
+            ep.info |= {"truncated": 1} if truncated else {}
+            record = check_tokens(ep, calls)
+            check_images(ep.ids, ep.images, getattr(engine, "c", None))  # e.g. a placeholder the policy sampled
+            ep.validate(vocab_size)
+            msgs.append(episode_to_msg(ep, index, index // cfg.group_size, record))
+    except ValueError as e:  # nothing malformed reaches the trainer
+        raise Malformed(str(e)) from e
+    return msgs
+
+
 async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, state=None, evals=None):
     """Run agents; queue each group whole once all its episodes ended (its advantages compare the whole group).
     Staleness bound: a group starts only while fewer groups are live (started, not all failed) than (version + 1 +
     max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL. state: a checkpoint's COUNTS
     (deterministic: and index, base). deterministic: once all admitted have ended, {"idle": (version, dropped),
     "state"} follows the groups in the queue (Rollout.settle). evals: (the version to evaluate, its metrics' queue)."""
-    run, G, P, S = agent_mod.load_agent(cfg.task), cfg.group_size, cfg.prompts_per_step, cfg.max_staleness
-    first = -(-start_index // G)  # resume at the first group not yet started (whole groups only)
-    # base: the window's origin in groups, one later for each group that failed whole
-    counts = {"index": first * G, "base": first - engine.version * P} | dict.fromkeys(COUNTS, 0) | (state or {})
-    index, base, in_a_row, running, groups, idle = counts.pop("index"), counts.pop("base"), 0, {}, {}, None
-    asked, evaluation, pending = -1, None, deque()  # pending: finished groups waiting for queue room (back-pressure)
+    G = cfg.group_size
+    P = cfg.prompts_per_step
+    run = agent_mod.load_agent(cfg.task)
     knobs = {k: getattr(cfg, k) for k in KNOBS}
     server = await endpoint.serve(tokenizer, dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k),
                                   engine.stop_ids)
-
-    async def one(task, index, run=run, sampling=None):
-        llm = endpoint.attach(server, Policy(engine, tokenizer, index, sampling))  # base_url, api_key, model for chat
-        agent_task = asyncio.ensure_future(run(task, llm))
-        if not (await asyncio.wait([agent_task], timeout=cfg.episode_timeout))[0]:
-            # not wait_for: it waits for the cancelled agent to finish, forever if the agent swallows the
-            # cancellation, and its group would hold a place in the staleness window for good
-            llm.closed = True
-            agent_task.cancel()
-            agent_task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nothing to report later
-            raise asyncio.TimeoutError(f"agent still running after episode_timeout={cfg.episode_timeout} s")
-        truncated = llm.full and llm.calls and agent_task.exception() is not None  # chat agents too: not dropped
-        result = (0.0 if llm.segs else truncated_episode(llm.calls)) if truncated else agent_task.result()
-        try:  # a chat agent returned its reward: its episodes (one per segment) come from the endpoint's record
-            pairs = [(result, llm.calls)] if isinstance(result, agent_mod.Episode) else endpoint.segments(llm, result)
-            msgs = []
-            for ep, calls in pairs:
-                ep.info |= {"truncated": 1} if truncated else {}
-                record = check_tokens(ep, calls)
-                check_images(ep.ids, ep.images, getattr(engine, "c", None))  # e.g. a placeholder the policy sampled
-                ep.validate(vocab_size)
-                msgs.append(episode_to_msg(ep, index, index // G, record))
-        except ValueError as e:  # nothing malformed reaches the trainer
-            raise Malformed(str(e)) from e
-        return msgs  # one per segment
+    episode = functools.partial(run_episode, cfg, engine, tokenizer, server, vocab_size)  # (task, index, run, ...)
+    first = math.ceil(start_index / G)  # resume at the first group not yet started (whole groups only)
+    # base: the window's origin in groups, one later for each group that failed whole
+    counts = {"index": first * G, "base": first - engine.version * P} | dict.fromkeys(COUNTS, 0) | (state or {})
+    index = counts.pop("index")  # the next episode to start
+    base = counts.pop("base")
+    in_a_row = 0  # groups that failed whole in a row
+    running = {}  # asyncio task -> its episode's index
+    groups = {}  # group -> the messages of each of its episodes that ended
+    idle = None  # deterministic: the (version, dropped) last reported idle
+    asked = -1  # the version the trainer last asked to evaluate
+    evaluation = None  # its asyncio task, while it runs
+    pending = deque()  # finished groups waiting for queue room (back-pressure)
 
     while True:
         published = engine.shared_version.value if engine.shared_version is not None else engine.version
         drops = dropped.value
         if evals is not None and evals[0].value > asked:  # the trainer asks for an evaluation of its latest version
             asked = evals[0].value
-            evaluation = asyncio.ensure_future(evaluate(cfg, one, tokenizer, asked, evals[1]))
+            evaluation = asyncio.ensure_future(evaluate(cfg, episode, tokenizer, asked, evals[1]))
         if evaluation is not None and evaluation.done():
-            evaluation = evaluation.result()  # None, or its error (a server's, a version's) ends the rollout
-        while not cfg.eval_only and len(running) < cfg.concurrent_agents and \
-                index // G < base + drops + (published + 1 + S) * P:
-            running[asyncio.create_task(one(agent_mod.make_task(cfg.task, index, **knobs), index))] = index
+            evaluation.result()  # its error (a server's, a version's) ends the rollout
+            evaluation = None
+
+        window_end = base + drops + (published + 1 + cfg.max_staleness) * P  # the first group the window excludes
+        while not cfg.eval_only and len(running) < cfg.concurrent_agents and index // G < window_end:
+            agent = episode(agent_mod.make_task(cfg.task, index, **knobs), index, run)
+            running[asyncio.create_task(agent)] = index
             index += 1
         if cfg.deterministic and not running and idle != (published, drops):  # a state to resume from
             idle = (published, drops)
             pending.append({"idle": idle, "state": dict(counts, index=index, base=base)})
-        done = (await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED))[0] if running \
-            else await asyncio.sleep(0.01, ())  # asyncio.wait takes no empty set
-        for t in done:
-            i, err, msgs = running.pop(t), t.exception(), []
+
+        if running:
+            done, _ = await asyncio.wait(running, timeout=0.01, return_when=asyncio.FIRST_COMPLETED)
+        else:  # asyncio.wait takes no empty set
+            done = await asyncio.sleep(0.01, result=())
+        for ended in done:
+            ep_index = running.pop(ended)
+            err = ended.exception()
             failed = getattr(engine, "failed", None)  # a server failed (where a chat agent only saw a 503)
             if failed or isinstance(err, ServerError):  # not the agent's fault, and every later call would fail too
                 raise failed or err
+            msgs = []  # a dropped episode's
             if err is None:
-                msgs = [m | {"stats": dict(counts, tokens_generated=engine.tokens_generated)} for m in t.result()]
+                msgs = [m | {"stats": dict(counts, tokens_generated=engine.tokens_generated)} for m in ended.result()]
             else:
-                key = "agent_timeouts" if isinstance(err, asyncio.TimeoutError) else \
-                    "malformed" if isinstance(err, Malformed) else "agent_errors"
+                key = next((name for cls, name in CAUSES if isinstance(err, cls)), "agent_errors")
                 counts[key] += 1
-                print(f"[rollout] episode {i} dropped ({key}): {err!r}", file=sys.stderr)
-            groups.setdefault(i // G, []).append(msgs)
-            if len(groups[i // G]) == G:  # the group has ended: send what is left of it, or let another group start
-                kept = sorted((m for ms in groups.pop(i // G) for m in ms), key=lambda m: m["index"])
-                pending.extend([pack(kept)] if kept else [])
-                base, in_a_row = (base, 0) if kept else (base + 1, in_a_row + 1)  # a failed group frees its place
+                print(f"[rollout] episode {ep_index} dropped ({key}): {err!r}", file=sys.stderr)
+            groups.setdefault(ep_index // G, []).append(msgs)
+            if len(groups[ep_index // G]) == G:  # the group has ended: send what is left of it, or free its place
+                kept = sorted((m for ms in groups.pop(ep_index // G) for m in ms), key=lambda m: m["index"])
+                if kept:
+                    pending.append(pack(kept))
+                    in_a_row = 0
+                else:  # a failed group lets another group start in its place
+                    base += 1
+                    in_a_row += 1
                 if in_a_row >= cfg.max_failed_groups:  # an agent that always fails would have us spin for good
                     raise RuntimeError(f"{in_a_row} groups in a row failed (max_failed_groups); last error: {err!r}")
+
         with contextlib.suppress(queue_mod.Full):  # what does not fit waits for the trainer to take some
             while pending:
                 out_q.put_nowait(pending[0])
@@ -328,11 +376,13 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, state=None, dropped=0):
     """Rank 0: the rollout process, and the servers unless server_urls names them (state, dropped: a checkpoint's)."""
-    ctx, procs, servers, write = mp.get_context("spawn"), [], None, None
+    ctx = mp.get_context("spawn")
     memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
     shared = {k: v.clone().share_memory_() for k, v in weights.items()} if cfg.engine == "torch" or memory else None
+    write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
+    procs = []  # the servers started here: [(process, log path)]
+    servers = None  # [(url, log path or None)]; None: the torch engine
     if cfg.engine != "torch":  # the servers start from the first version's directory
-        write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
         first = write(start_version, weights)
         if cfg.server_urls:  # servers started elsewhere: wait for them
             servers = [(u.strip().rstrip("/"), None) for u in cfg.server_urls.split(",") if u.strip()]
@@ -340,29 +390,36 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
                 wait_healthy(url, cfg.server_timeout)
         else:
             log = os.path.join(cfg.out_dir, f"{cfg.engine}_server.log")
-            proc, url = start_server(cfg.engine, first, cfg, log, moe=model_cfg.num_experts > 0)
-            procs, servers = [(proc, log)], [(url, log)]
+            server_proc, url = start_server(cfg.engine, first, cfg, log, moe=model_cfg.num_experts > 0)
+            procs, servers = [(server_proc, log)], [(url, log)]
     link = types.SimpleNamespace(weights=shared, version=ctx.Value("l", start_version), lock=ctx.Lock(),
                                  out_q=ctx.Queue(maxsize=cfg.queue_size), dropped=ctx.Value("l", dropped),
                                  servers=servers, evals=(ctx.Value("l", -1), ctx.Queue()))
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
                        args=(cfg, model_cfg, link, start_index, tokenizer_dir, state))
     proc.start()
-    return Rollout(proc, link, procs, None if memory else write, cfg.deterministic)
+    return Rollout(proc, link, procs, None if memory or cfg.engine == "torch" else write, cfg.deterministic)
 
 
 class Rollout:
     """The trainer's handle on the rollout process (and on the inference servers it started); link: start_rollout's."""
     def __init__(self, proc, link, servers=(), write=None, deterministic=False):
-        self.proc, self.link, self.servers, self.write = proc, link, servers, write  # servers: [(process, log path)]
-        self.held, self.idle, self.deterministic = deque(), None, deterministic  # held: settled groups, untrained
+        self.proc = proc
+        self.link = link
+        self.servers = servers  # [(process, log path)]
+        self.write = write  # (version, weights) -> a directory the servers load; None: into the shared tensors
+        self.deterministic = deterministic
+        self.held = deque()  # settled groups, untrained
+        self.idle = None  # the rollout's last report that all it admitted has ended (settle)
 
     def get(self, timeout=1.0, stop=lambda: None):
         """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
         rollout process or a server it uses died. deterministic: the settled groups, in data order (None: stop())."""
         if self.deterministic and not self.held:
             self.settle(stop)  # nothing held after a stop: None
-        item = self.held.popleft() if self.held else None if self.deterministic else self._next(timeout)
+        if self.held or self.deterministic:  # deterministic: the settled groups only
+            return unpack(self.held.popleft()) if self.held else None
+        item = self._next(timeout)
         return None if item is None else unpack(item)
 
     def settle(self, stop=lambda: None):
@@ -372,9 +429,10 @@ class Rollout:
         while self.idle is None or self.idle["idle"] != (self.link.version.value, self.link.dropped.value):
             if stop():
                 return None
-            if (item := self._next(1.0)) is not None:  # a group (packed: the checkpoint saves it so) or the report
-                self.held.extend([] if "idle" in item else [item])
-                self.idle = item if "idle" in item else self.idle
+            if (item := self._next(1.0)) is not None and "idle" in item:  # the report
+                self.idle = item
+            elif item is not None:  # a group (packed: the checkpoint saves it so)
+                self.held.append(item)
         self.held = deque(sorted(self.held, key=lambda item: item["msgs"][0]["index"]))
         return self.idle["state"]
 
@@ -394,9 +452,9 @@ class Rollout:
         except (OSError, EOFError) as e:  # the sender died while the item's tensors were being handed over
             raise RuntimeError(f"rollout process died while sending episodes ({e!r})") from e
         except queue_mod.Empty:
-            for p, log in self.servers:
-                if p.poll() is not None:
-                    raise RuntimeError(f"inference server died (exit code {p.returncode}){log_tail(log)}")
+            for proc, log in self.servers:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"inference server died (exit code {proc.returncode}){log_tail(log)}")
             if not self.proc.is_alive():
                 raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}); its traceback is above")
             return None
@@ -426,6 +484,6 @@ class Rollout:
     def close(self):
         self.proc.kill()  # (a no-op on one that has ended)
         self.proc.join(timeout=10)
-        for p, _ in self.servers:
-            stop_server(p)
+        for proc, _ in self.servers:
+            stop_server(proc)
 

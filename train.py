@@ -66,12 +66,13 @@ def full_state(model, fsdp, changed=False, merged=True):
     merged=False; an empty dict on other ranks. changed: only the layers LoRA adapts (nothing else changes)."""
     lora = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     sd = {k: v for k, v in model.state_dict(keep_vars=True).items() if not changed or k.rpartition(".")[0] in lora}
-    if fsdp and dist.get_world_size() > 1:  # one gather of all shards to rank 0 alone, flat (one per tensor: ~0.7 ms
+    if fsdp and dist.get_world_size() > 1:  # one gather of all shards to rank 0 alone, flat (one per tensor is slow
         # on gloo), each padded to ceil(len / world) rows: FSDP2 splits dim 0 as torch.chunk (the last ranks hold fewer)
-        world, unique = dist.get_world_size(), {id(v): v for v in sd.values()}  # a tied weight once
-        n = {i: -(-len(v) // world) * math.prod(v.shape[1:]) for i, v in unique.items()}  # elements each rank sends
-        flat = torch.cat([torch.nn.functional.pad(t := v.to_local().detach().flatten(), (0, n[i] - len(t)))
-                          for i, v in unique.items()])
+        world = dist.get_world_size()
+        unique = {id(v): v for v in sd.values()}  # a tied weight once
+        n = {i: math.ceil(len(v) / world) * math.prod(v.shape[1:]) for i, v in unique.items()}  # elements a rank sends
+        shards = {i: v.to_local().detach().flatten() for i, v in unique.items()}
+        flat = torch.cat([torch.nn.functional.pad(t, (0, n[i] - len(t))) for i, t in shards.items()])
         out = None if dist.get_rank() else flat.new_empty(world, len(flat))  # row r: rank r's shards
         dist.gather(flat, None if out is None else list(out), dst=0)
         if dist.get_rank():
@@ -111,17 +112,17 @@ def tiny_init(cfg, rank, fsdp):
                      deepstack_visual_indexes=[0, 1, 2])  # as every Qwen3-VL checkpoint (SGLang assumes 3)
         vision = dict(vision=tower | {"hidden_act": "gelu_pytorch_tanh"}, image_token_id=tok.convert_tokens_to_ids(
             agent.IMAGE_PAD), mrope_section=[s - 2 * (s // 3), s // 3, s // 3])
-        c = ModelConfig(vocab_size=len(tok), hidden_size=cfg.tiny_hidden, intermediate_size=2 * cfg.tiny_hidden,
-                        num_hidden_layers=cfg.tiny_layers, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=cfg.tiny_hidden // 4, num_experts=cfg.tiny_experts, num_experts_per_tok=cfg.tiny_top_k,
-                        moe_intermediate_size=cfg.tiny_hidden, max_position_embeddings=cfg.engine_max_len,
-                        **(vision if cfg.tiny_vision else {}))
+        mc = ModelConfig(vocab_size=len(tok), hidden_size=cfg.tiny_hidden, intermediate_size=2 * cfg.tiny_hidden,
+                         num_hidden_layers=cfg.tiny_layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=cfg.tiny_hidden // 4, num_experts=cfg.tiny_experts,
+                         num_experts_per_tok=cfg.tiny_top_k, moe_intermediate_size=cfg.tiny_hidden,
+                         max_position_embeddings=cfg.engine_max_len, **(vision if cfg.tiny_vision else {}))
         if not os.path.isdir(path):
             torch.manual_seed(cfg.seed)
-            Transformer(c).init_weights(cfg.seed).save_pretrained(path + ".tmp")
+            Transformer(mc).init_weights(cfg.seed).save_pretrained(path + ".tmp")
             os.replace(path + ".tmp", path)
         else:  # made by an earlier run in this out_dir: it must be the model asked for now
-            same_architecture(path, "the tiny_* settings", expected=c)
+            same_architecture(path, "the tiny_* settings", expected=mc)
     if fsdp:
         dist.barrier()
     return path
@@ -146,12 +147,12 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, crit
     critic: a value model, lm_head -> a scalar head (0 at first) on the final normed hidden state, all trained."""
     targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen and not critic else []  # none: no change
 
-    def adapt(m):
-        if critic:
-            m.lm_head = torch.nn.Linear(m.config.hidden_size, 1, device=m.model.norm.weight.device)  # (meta, CPU, GPU)
-            torch.nn.init.zeros_(m.lm_head.weight)
-            torch.nn.init.zeros_(m.lm_head.bias)
-        return add_lora(m, cfg.lora_rank, cfg.lora_alpha / max(cfg.lora_rank, 1), targets)
+    def adapt(net):
+        if critic:  # the head made where the model is (meta, CPU, GPU)
+            net.lm_head = torch.nn.Linear(net.config.hidden_size, 1, device=net.model.norm.weight.device)
+            torch.nn.init.zeros_(net.lm_head.weight)
+            torch.nn.init.zeros_(net.lm_head.bias)
+        return add_lora(net, cfg.lora_rank, cfg.lora_alpha / max(cfg.lora_rank, 1), targets)
     if fsdp:
         with torch.device("meta"):
             model = adapt(Transformer(ModelConfig.load(path)))
@@ -162,10 +163,10 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, crit
         model = adapt(Transformer.from_pretrained(path, device=device))
         model.load_state_dict(adapters or {}, strict=False)
     model.checkpointing = cfg.activation_checkpointing and not frozen
-    if cfg.compile and not frozen:  # fuses the element-wise work between matmuls: ~15% of a tiny step
+    if cfg.compile and not frozen:  # fuses the element-wise work between matmuls
         model.forward = torch.compile(model.forward)
-    for name, p in model.named_parameters():  # LoRA: the base frozen (no gradient, no optimizer state)
-        p.requires_grad_(not frozen and (not targets or ".lora_" in name))
+    for name, param in model.named_parameters():  # LoRA: the base frozen (no gradient, no optimizer state)
+        param.requires_grad_(not frozen and (not targets or ".lora_" in name))
     return model
 
 # ---- batches: episodes -> padded tensors ----
@@ -202,7 +203,7 @@ def shared_prompt(ms, image_token=-1):
 def packed_rows(msgs, device, image_token=-1):
     """The forward's rows: a group's episodes (consecutive in msgs) that share a prompt (shared_prompt) at least as
     long as their rests go in one row, the prompt once, then each rest as segment 1, 2, ... seeing the prompt and itself
-    at its own positions; "at": before each trained token, in msgs' order. Same logits, ~n x fewer tokens; {}: none."""
+    at its own positions; "at": before each trained token, in msgs' order. Same logits, fewer tokens; {}: none."""
     rows = []
     for ms in (list(run) for _, run in itertools.groupby(msgs, key=lambda m: m.get("group"))):
         P = shared_prompt(ms, image_token)
@@ -287,8 +288,8 @@ def values(critic, b):
     """-> (B, T-1) V(s_t) where token t's logit would be (0 elsewhere), from the packed rows too; it routes by itself"""
     sel = b["loss_mask"][:, 1:].bool()
     f = b.get("packed") or {"ids": b["ids"], "images": b["images"], "at": torch.nn.functional.pad(sel, (0, 1))}
-    v = critic(f["ids"], f.get("positions"), images=f["images"], logits_at=f["at"], segments=f.get("segments"))
-    return torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, v[:, 0].float())
+    out = critic(f["ids"], f.get("positions"), images=f["images"], logits_at=f["at"], segments=f.get("segments"))
+    return torch.zeros_like(b["loss_mask"][:, 1:]).masked_scatter(sel, out[:, 0].float())
 
 
 def micro_loss(model, b, cfg, counts, adv, world, critic=None):
@@ -335,15 +336,15 @@ CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "ret"
 def consistency(b, old_logp, version, max_staleness):
     """Staleness of every trained token and the trainer-vs-engine mismatch on the tokens the current weights
     sampled, before any update. -> CONSISTENCY_KEYS + staleness histogram as one float64 vector"""
-    sel, versions, rollout_logp = b["loss_mask"][:, 1:].bool(), b["versions"][:, 1:], b["rollout_logp"][:, 1:]
+    sel = b["loss_mask"][:, 1:].bool()  # (B, T-1): token t, predicted at t-1
+    versions, rollout_logp = b["versions"][:, 1:], b["rollout_logp"][:, 1:]  # (B, T-1) each, as sel
     stale, fresh = (version - versions)[sel], sel & (versions == version)
     d, kl = (old_logp - rollout_logp)[fresh], est.kl_k3(logp=rollout_logp[fresh], ref_logp=old_logp[fresh])
     hist = torch.bincount(stale.clamp(max=max_staleness), minlength=max_staleness + 1)
     ret = b.get("returns", torch.zeros_like(old_logp))[sel]  # gae: explained variance's sums (of returns, errors)
     err = ret - b.get("old_values", torch.zeros_like(old_logp))[sel]
-    vec = torch.cat([torch.stack([sel.sum(), d.abs().sum(), kl.sum(), fresh.sum(), stale.sum(), ret.sum(),
-                                  (ret ** 2).sum(), err.sum(), (err ** 2).sum()]).double(), hist])
-    return vec
+    return torch.cat([torch.stack([sel.sum(), d.abs().sum(), kl.sum(), fresh.sum(), stale.sum(), ret.sum(),
+                                   (ret ** 2).sum(), err.sum(), (err ** 2).sum()]).double(), hist])
 
 
 def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, critic=None):
@@ -354,25 +355,25 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
     batches = [[(collate([m for m, _ in mb] or [EMPTY], device, model.config.image_token_id),
                  torch.tensor([a for _, a in mb] or [0.]).to(device)) for mb in mini] for mini in share["mini_batches"]]
     several = cfg.ppo_epochs * len(batches) > 1
-    critic, copt = critic or (None, None)
+    value_net, copt = critic or (None, None)
     with torch.no_grad():  # ---- recompute: what the batch is scored against, before any update ----
         for b, adv in (x for mini in batches for x in mini):
             # Teacher and reference route by themselves: a teacher of another shape cannot take the sampler's experts,
-            # one of the same shape would not pick them (5 nats off); the KL's anchor is the initial router's choice.
+            # one of the same shape would not pick them; the KL's anchor is the initial router's choice.
             for key, frozen in (("ref_logp", ref), ("teacher_logp", teacher)):
                 if frozen is not None:
                     b[key] = token_logp(frozen, b | {"routing": None}, cfg, filtered=False)[1]
             if several:  # pi_old for every mini-batch now; a single update takes it from its own forward
                 b["old_logp"] = token_logp(model, b, cfg)[1]
-            if critic is not None:  # values by the critic of now: a stale episode is valued afresh (async is fine)
+            if value_net is not None:  # values by the critic of now: a stale episode is valued afresh (async is fine)
                 # A message is a chain, the reward at its last sampled token: each segment of a chat episode (histories
                 # re-rendered, maybe branching) ends with the episode's reward, a truncated episode with its agent's.
                 mask = b["loss_mask"][:, 1:]
                 last = torch.nn.functional.one_hot(mask.cumsum(1).argmax(1), mask.shape[1]) * mask  # (B, T-1)
-                b["old_values"] = values(critic, b)
+                b["old_values"] = values(value_net, b)
                 b["advantages"], b["returns"] = est.gae(rewards=last * adv[:, None], values=b["old_values"],
                                                         loss_mask=mask, gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
-        if critic is not None:  # whitened over the step's trained tokens, on all ranks (verl's, OpenRLHF's default)
+        if value_net is not None:  # whitened over the step's trained tokens, on all ranks (verl's, OpenRLHF's default)
             mbs = [b for mini in batches for b, _ in mini]
             n = sum(torch.stack([b["loss_mask"][:, 1:].sum(), b["advantages"].sum(), b["advantages"].square().sum()])
                     for b in mbs)  # tokens, sum, sum of squares (advantages are 0 off the trained tokens)
@@ -382,24 +383,26 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
             std = (n[2] / n[0].clamp(min=1) - mean ** 2).clamp(min=0).sqrt()
             for b in mbs:
                 b["advantages"] = (b["advantages"] - mean) / (std + est.EPS) * b["loss_mask"][:, 1:]
-    losses, checks, norms = 0, 0, []
+    losses, checks = 0, 0  # summed metric vectors: LOSS_KEYS of every update, consistency's of the first epoch
+    norms = []
     for epoch in range(cfg.ppo_epochs):  # ---- updates ----
         for mini, counts in zip(batches, share["counts"]):
-            for o in filter(None, (opt, copt)):
-                o.zero_grad(set_to_none=True)  # (gradients stay readable after the step, for tests and debugging)
+            for optimizer in filter(None, (opt, copt)):
+                optimizer.zero_grad(set_to_none=True)  # (gradients stay readable after the step: tests, debugging)
             for b, adv in mini:
-                loss, m, old = micro_loss(model, b, cfg, counts, adv, world, critic)
+                loss, metrics, old = micro_loss(model, b, cfg, counts, adv, world, value_net)
                 loss.backward()
-                losses = losses + m
+                losses = losses + metrics
                 if epoch == 0:
                     checks = checks + consistency(b, old, version, cfg.max_staleness)
-            norm = [torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip) for net in (model, critic) if net]
-            norm = [float(g.full_tensor() if hasattr(g, "full_tensor") else g) for g in norm]
+            totals = [torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)  # before clipping; FSDP: DTensors
+                      for net in (model, value_net) if net is not None]
+            norm = [float(g.full_tensor() if hasattr(g, "full_tensor") else g) for g in totals]
             norms.append(norm[0] if all(map(math.isfinite, norm)) else math.nan)  # a critic's inf skips both, counted
             # the same norm and counts on every rank: all skip together (no sampled token: AdamW would use momentum)
             if math.isfinite(norms[-1]) and counts[0]:
-                for o in filter(None, (opt, copt)):
-                    o.step()
+                for optimizer in filter(None, (opt, copt)):
+                    optimizer.step()
     return torch.cat([losses.double(), checks]), norms
 
 
@@ -417,7 +420,8 @@ def step_metrics(step, msgs, s, hist, norms, times, counters, stats, rollout_rat
     gae: critic/explained_variance, 1 - Var(return - value) / Var(return) on trained tokens, values before updates."""
     episodes = list({m["index"]: m for m in msgs}.values())
     rewards = torch.tensor([m["reward"] for m in episodes])
-    tok, n, mm = max(s["tokens"], 1), len(norms), s["mm_tokens"]
+    tok, n = max(s["tokens"], 1), len(norms)  # the means' denominators: trained tokens, updates
+    mm = s["mm_tokens"]
     var_ret, var_err = (s[x + "2"] / tok - (s[x] / tok) ** 2 for x in ("ret", "err"))
     return {
         "step": step, "policy_version": step, "reward/mean": rewards.mean().item(),
@@ -447,10 +451,10 @@ def step_metrics(step, msgs, s, hist, norms, times, counters, stats, rollout_rat
 
 def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp, critic=None):
     full, state["adapters"] = merge_lora(model, full_state(model, fsdp, merged=False))  # (state: this save's copy)
-    optim = lambda m, o: get_optimizer_state_dict(m, o, options=FULL)  # keyed by parameter name, FSDP or not
-    osd = optim(model, opt)
+    osd = get_optimizer_state_dict(model, opt, options=FULL)  # keyed by parameter name, FSDP or not
     if critic is not None:
-        state["critic"], state["critic_optimizer"] = full_state(critic[0], fsdp, merged=False), optim(*critic)
+        state["critic"] = full_state(critic[0], fsdp, merged=False)
+        state["critic_optimizer"] = get_optimizer_state_dict(*critic, options=FULL)
     if rank == 0:
         final, tmp = os.path.join(cfg.out_dir, "ckpt"), os.path.join(cfg.out_dir, f"ckpt.tmp-{state['step']}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -493,19 +497,23 @@ def check_out_dir(cfg):
     if not cfg.overwrite:
         raise ValueError(f"{cfg.out_dir} holds an earlier run (metrics.jsonl or ckpt): continue it with --resume, "
                          f"replace it with --overwrite, or choose another --out_dir")
-    for p in (os.path.join(cfg.out_dir, f) for f in RUN_FILES if os.environ.get("RANK", "0") == "0"):
-        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p) if os.path.exists(p) else None
+    for path in (os.path.join(cfg.out_dir, f) for f in RUN_FILES if os.environ.get("RANK", "0") == "0"):
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
 
 # ---- logging: metrics.jsonl, one console line, episodes dumped for reading ----
 
 
 class Logger:
-    """Each metrics line to <out_dir>/metrics.jsonl (eval_only: eval/metrics.jsonl; read it with pandas or any logger)
-    and, with wandb_project, to a W&B run (wandb imported only then): the config once, a resumed run continuing its id
-    (the checkpoints carry it). One console line each: where the run is, its reward, evaluation, speed, ETA."""
+    """Each metrics line to <out_dir>/metrics.jsonl (eval_only: eval/metrics.jsonl) and, with wandb_project, to a W&B
+    run (a resume continues it: checkpoints carry its id); one console line each: progress, reward, eval, speed, ETA."""
     def __init__(self, cfg, step, state):
-        self.cfg, self.start, self.t0, self.to_wandb = cfg, step, time.perf_counter(), lambda m, step: None
-        self.path = os.path.join(cfg.out_dir, "eval" * cfg.eval_only, "metrics.jsonl")
+        self.cfg = cfg
+        self.start, self.t0 = step, time.perf_counter()  # where and when this process began: its rate
+        self.to_wandb = lambda m, step: None  # without wandb_project, nothing
+        self.path = os.path.join(cfg.out_dir, "eval" if cfg.eval_only else "", "metrics.jsonl")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         lines = open(self.path).readlines() if os.path.exists(self.path) else []  # resume: the checkpoint's steps
         open(self.path, "w").writelines(x for x in lines if cfg.eval_only or json.loads(x)["step"] <= step)
@@ -520,22 +528,28 @@ class Logger:
         with open(self.path, "a") as f:
             f.write(json.dumps(m) + "\n")
         self.to_wandb(m, step=m["step"])
-        t, k, mm = time.perf_counter() - self.t0, self.cfg.eval_samples, m.get("mismatch/logprob_abs_diff")
-        evals = [f"pass@{j} {m[f'eval/pass@{j}']:.3f}" for j in sorted({1, k}) if f"eval/pass@{j}" in m]
-        rate, hms = (m["step"] - self.start) / t, lambda s: str(datetime.timedelta(seconds=round(s)))
-        parts = [f"step {m['step']:4d}/{self.cfg.max_steps}"] + ([  # (an evaluation's own line has no reward)
-            f"reward {m['reward/mean']:.3f}", f"loss {m['loss/policy']:+.4f}", f"stale {m['staleness/mean']:.2f}/"
-            f"{m['staleness/max']}", f"mismatch {'-' if mm is None else f'{mm:.1e}'}", f"{m['time/step']:.2f}s (wait "
-            f"{m['time/wait_rollout']:.2f}s)"] if "reward/mean" in m else []) + ([
-            "eval " + " ".join(evals)] if evals else [])
-        eta = hms((self.cfg.max_steps - m["step"]) / rate) if rate > 0 else "?"
-        print(" | ".join(parts + [f"{rate:.2f} steps/s, {hms(t)} elapsed, ETA {eta}"]), flush=True)
+        parts = [f"step {m['step']:4d}/{self.cfg.max_steps}"]
+        if "reward/mean" in m:  # (an evaluation's own line has no reward)
+            mm = m.get("mismatch/logprob_abs_diff")
+            parts += [f"reward {m['reward/mean']:.3f}", f"loss {m['loss/policy']:+.4f}",
+                      f"stale {m['staleness/mean']:.2f}/{m['staleness/max']}",
+                      f"mismatch {'-' if mm is None else f'{mm:.1e}'}",
+                      f"{m['time/step']:.2f}s (wait {m['time/wait_rollout']:.2f}s)"]
+        evals = [f"pass@{j} {m[f'eval/pass@{j}']:.3f}" for j in sorted({1, self.cfg.eval_samples})
+                 if f"eval/pass@{j}" in m]
+        if evals:
+            parts.append("eval " + " ".join(evals))
+        elapsed = time.perf_counter() - self.t0
+        rate = (m["step"] - self.start) / elapsed
+        eta = datetime.timedelta(seconds=round((self.cfg.max_steps - m["step"]) / rate)) if rate > 0 else "?"
+        parts.append(f"{rate:.2f} steps/s, {datetime.timedelta(seconds=round(elapsed))} elapsed, ETA {eta}")
+        print(" | ".join(parts), flush=True)
 
 
-def log_held(logger, ro, held, wait=True):
-    """The line held back for its evaluation, logged with its eval/ metrics (wait=False: without, the rollout died)."""
-    if held is not None:
-        logger.log(held | (ro.eval_result() if wait else {}))
+def log_pending(logger, ro, pending, wait=True):
+    """Log the line held for its evaluation (pending: [] or [line]) with its eval/ metrics (wait=False: without)."""
+    while pending:
+        logger.log(pending.pop() | (ro.eval_result() if wait else {}))
 
 
 def dump_episodes(cfg, step, msgs, tokenizer, n=4):
@@ -560,10 +574,12 @@ def take_batch(cfg, ro, version, counters):
         if not os.path.isfile(path):
             raise RuntimeError(f"replay: {path} is missing ({cfg.replay} holds {len(os.listdir(cfg.replay))} steps)")
         return torch.load(path, weights_only=False), 0.0
-    t0, msgs, n_groups, filtered = time.perf_counter(), [], 0, 0
-    while n_groups < cfg.prompts_per_step:
+    t0_wait = time.perf_counter()
+    groups = []
+    filtered = 0  # groups filtered out in a row
+    while len(groups) < cfg.prompts_per_step:
         if STOP["signal"]:  # before every group: with filter_groups on a solved task groups come, each filtered
-            return None, time.perf_counter() - t0
+            return None, time.perf_counter() - t0_wait
         group = ro.get(stop=lambda: STOP["signal"])  # None: nothing for a second, or a signal ended a settle
         if group is None:
             continue
@@ -571,27 +587,48 @@ def take_batch(cfg, ro, version, counters):
             raise AssertionError(f"evaluation episode {group[0]['index']} reached the trainer")
         fresh = [m for m in group if version - m["versions"][m["loss_mask"] == 1].min().item() <= cfg.max_staleness]
         counters["dropped_stale"] += len(group) - len(fresh)
-        same = cfg.filter_groups and len({m["reward"] for m in fresh}) == 1  # DAPO's dynamic sampling: no signal
-        counters["filtered_groups"] += same  # (an empty group is never `same`: it has no rewards)
-        if not fresh or same:  # nothing (informative) left of the group: let the rollout start another
+        uniform = len({m["reward"] for m in fresh}) == 1  # (never an empty group: it has no rewards)
+        if not fresh or (cfg.filter_groups and uniform):  # nothing (informative) left: let the rollout start another
             ro.drop(1)
-            filtered += same
+            if uniform:  # DAPO's dynamic sampling: all rewards equal, no signal
+                counters["filtered_groups"] += 1
+                filtered += 1
             if filtered >= cfg.max_filtered_groups:
                 raise RuntimeError(f"{filtered} groups in a row filtered out: all rewards equal (max_filtered_groups)")
             continue
-        msgs, n_groups, filtered = msgs + fresh, n_groups + 1, 0
-    msgs, wait = sorted(msgs, key=lambda m: m["index"]), time.perf_counter() - t0
+        groups.append(fresh)
+        filtered = 0
+    msgs = sorted([m for group in groups for m in group], key=lambda m: m["index"])
+    wait = time.perf_counter() - t0_wait
     if cfg.rollout_dump:  # every trained batch, all its tensors: what replay=<out_dir>/rollouts trains on
         os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
         torch.save(msgs, os.path.join(cfg.out_dir, "rollouts", f"step_{version + 1}.pt"))
     return msgs, wait
 
 
+def next_batch(cfg, ro, step, counters, rank, world):
+    """Rank 0 takes the batch and sends it to every rank, packed, with one decision to stop (a signal may reach the
+    ranks at different times) -> (msgs, wait s, stop: None, the signal's name, or "error: ..." from a dead rollout)"""
+    msgs, wait = None, 0.0  # take_batch's (rank 0 alone has msgs)
+    stop = STOP["signal"]
+    if rank == 0 and stop is None:
+        try:
+            msgs, wait = take_batch(cfg, ro, step, counters)
+            stop = STOP["signal"] if msgs is None else None  # a signal came while waiting
+        except RuntimeError as e:  # the rollout process died: every rank stops, with a checkpoint
+            stop = f"error: {e}"
+    if world > 1:
+        out = [(stop, rollout.pack(msgs) if msgs else None)]  # packed: numpy arrays pickle by value
+        dist.broadcast_object_list(out, src=0)
+        stop, packed = out[0]
+        if rank and packed:  # rank 0 keeps its own
+            msgs = rollout.unpack(packed)
+    return msgs, wait, stop
+
+
 def main(argv=None):
-    """The run, top to bottom, each step as the module docstring says. Two kinds of process: this trainer (one per rank
-    under torchrun) and, beside rank 0, the rollout process, whose engine keeps sampling episodes with the weights it
-    was handed last (async RL). Every rank gets the batch from rank 0, deals itself its share and recomputes with the
-    engine's routing and filter. A signal, or the rollout process dying, ends the loop at a step's end, checkpointed."""
+    """The run, each step as the module docstring says, by this trainer (one per rank under torchrun) and, beside
+    rank 0, the rollout process. A signal, or the rollout process dying, ends the loop at a step's end, checkpointed."""
     cfg = config.load(argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name, at=time.monotonic()))
@@ -603,7 +640,7 @@ def main(argv=None):
     torch.set_num_threads(threads if device.type == "cpu" else 8)
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed + rank)
-    say = lambda *a: print(*a, flush=True) if rank == 0 else None  # every long wait says what it is
+
     # ---- the policy (from the latest checkpoint when resuming), the frozen reference and teacher ----
     init = tiny_init(cfg, rank, fsdp) if cfg.model == "tiny" else cfg.model
     if init.endswith(".gguf"):  # dequantized once into <file>.hf, which also holds the tokenizer
@@ -617,57 +654,53 @@ def main(argv=None):
         same_architecture(ckpt, init)
     tokenizer_dir = ckpt or init  # the weights' own tokenizer
     saved = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if ckpt else {}
-    say(f"loading the policy from {tokenizer_dir} ({world} rank(s), {device})")
-    # LoRA: the initial model as the base, the checkpoint's adapters (its merged weights are for engines, transformers)
-    model = build_model(cfg, rank, device, fsdp, init if cfg.lora_rank else tokenizer_dir,
-                        adapters=saved.get("adapters"))
+    if rank == 0:  # every long wait says what it is
+        print(f"loading the policy from {tokenizer_dir} ({world} rank(s), {device})", flush=True)
+    base = init if cfg.lora_rank else tokenizer_dir  # LoRA: the checkpoint's adapters (its merged weights: for engines)
+    model = build_model(cfg, rank, device, fsdp, base, adapters=saved.get("adapters"))
     ref = build_model(cfg, rank, device, fsdp, init, frozen=True) if cfg.kl_coef else None
     teacher = build_model(cfg, rank, device, fsdp, cfg.teacher, frozen=True) if cfg.advantage == "opd" else None
-    adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps,
-                                                 fused=True)  # one kernel a tensor: on CPU 4x the per-tensor loops
+
+    def adamw(params, lr):  # fused: one kernel a tensor, on CPU too
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps, fused=True)
+
     opt = None if cfg.eval_only else adamw([p for p in model.parameters() if p.requires_grad], cfg.lr)
-    gae = cfg.advantage == "gae" and not cfg.eval_only  # critic: (the value model, its optimizer); saved: its weights
-    net = gae and build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=saved.get("critic"), critic=True)
-    critic = (net, adamw(net.parameters(), cfg.critic_lr)) if gae else None
+    critic = None  # gae: (the value model, its optimizer); saved: its weights
+    if cfg.advantage == "gae" and not cfg.eval_only:
+        value_net = build_model(cfg, rank, device, fsdp, cfg.critic or init, adapters=saved.get("critic"), critic=True)
+        critic = (value_net, adamw(value_net.parameters(), cfg.critic_lr))
     state = load_trainer_state(None if cfg.eval_only else saved, model, opt, critic)  # what checkpoints carry on
-    step, counters = (saved or state)["step"], state["counters"]  # eval_only: the checkpoint's step, no optimizer
+    step = (saved or state)["step"]  # eval_only: the checkpoint's step, no optimizer
+    counters = state["counters"]
+
+    # ---- the rollout process (rank 0), sampling with the weights handed to it ----
     weights = full_state(model, fsdp)
     changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes
-    ro = tokenizer = logger = held = None  # held: the line of a step being evaluated, logged before the next publish
+    tokenizer = agent.load_tokenizer(tokenizer_dir) if rank == 0 else None
+    logger = Logger(cfg, step, state) if rank == 0 else None
+    ro = None  # rank 0's, but none with replay
+    pending_eval = []  # the line of a step being evaluated, logged before the next publish (log_pending)
     if rank == 0:
-        tokenizer, logger = agent.load_tokenizer(tokenizer_dir), Logger(cfg, step, state)
         if not cfg.replay:
-            say(f"starting the rollout process ({cfg.engine} engine)")
+            print(f"starting the rollout process ({cfg.engine} engine)", flush=True)
             resume = state.get("resume") or {}  # deterministic: the settled groups, the admission state
             ro = rollout.start_rollout(cfg, model.config, weights, step, state["data_position"], tokenizer_dir,
                                        resume.get("rollout", state["rollout_counts"]), resume.get("dropped", 0))
             ro.held.extend(resume.get("held", []))
         if cfg.eval_only or cfg.eval_at_start and step == 0:
             ro.evaluate(step)
-            held = {"step": step, "policy_version": step}
-            say(f"evaluating step {step} on {cfg.eval_prompts} x {cfg.eval_samples} held-out episodes")
+            pending_eval.append({"step": step, "policy_version": step})
+            print(f"evaluating step {step} on {cfg.eval_prompts} x {cfg.eval_samples} held-out episodes", flush=True)
         if not cfg.eval_only:
-            say(f"waiting for the first batch ({cfg.batch_size} episodes of {cfg.task})")
-    last_generated, last_t = 0, time.perf_counter()
+            print(f"waiting for the first batch ({cfg.batch_size} episodes of {cfg.task})", flush=True)
+    last_generated, t_last_line = 0, time.perf_counter()  # the rollout's tokens at the last metrics line: its rate
     try:
         while step < cfg.max_steps and not cfg.eval_only:
-            t_step = time.perf_counter()
-            # ---- 1. a batch from the rollout queue ----
-            msgs, wait, stop = None, 0.0, STOP["signal"]
-            if rank == 0 and stop is None:
-                try:
-                    msgs, wait = take_batch(cfg, ro, step, counters)
-                    stop = STOP["signal"] if msgs is None else None
-                except RuntimeError as e:  # the rollout process died: every rank stops, with a checkpoint
-                    stop = f"error: {e}"
-            # rank 0 sends every rank the batch, packed (numpy arrays pickle by value; a tensor by torch.save, ~0.1 ms
-            # each), and one decision to stop (a signal may reach the ranks at different times)
-            out = [(stop, rollout.pack(msgs) if world > 1 and msgs else None)]  # (rank 0 alone has msgs)
-            if world > 1:
-                dist.broadcast_object_list(out, src=0)
-            stop, msgs = out[0][0], rollout.unpack(out[0][1]) if rank and out[0][1] else msgs  # rank 0 keeps its own
+            t0_step = time.perf_counter()
+            # ---- 1. a batch from the rollout queue, or every rank stops, checkpointed ----
+            msgs, wait, stop = next_batch(cfg, ro, step, counters, rank, world)
             if stop is not None:
-                held = log_held(logger, ro, held, not stop.startswith("error"))
+                log_pending(logger, ro, pending_eval, wait=not stop.startswith("error"))
                 save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp, critic)
                 if stop.startswith("error"):
                     raise RuntimeError(f"{stop}; checkpoint of step {step} written to {cfg.out_dir}/ckpt")
@@ -676,51 +709,54 @@ def main(argv=None):
             # ---- 2. advantages (opd: GRPO's of the task reward, weighted; the teacher's come per token), shares ----
             share = make_shares(msgs, advantages(cfg, msgs).tolist(), world, cfg)[rank]  # every rank deals alike
             # ---- 3-4. recompute, loss, backward, optimizer steps ----
-            t_train = time.perf_counter()
+            t0_train = time.perf_counter()
             vec, norms = train_step(model, opt, share, cfg, step, world, ref, teacher, critic)
             sums, hist = reduce_metrics(vec, world)
-            bad = not all(math.isfinite(g) for g in norms)  # an update was skipped; too many in a row end the run
-            counters["skipped_steps"] += bad
-            counters["bad_steps"] = (counters["bad_steps"] + 1) * bad
+            skipped = not all(math.isfinite(g) for g in norms)  # the update skipped; max_bad_steps in a row end the run
+            counters["skipped_steps"] += skipped
+            counters["bad_steps"] = counters["bad_steps"] + 1 if skipped else 0
             if counters["bad_steps"] >= cfg.max_bad_steps:
                 raise RuntimeError(f"{counters['bad_steps']} non-finite gradient norms in a row at step {step + 1}")
-            t_train, t_hand = time.perf_counter() - t_train, t_train - t_step - wait  # hand-out: advantages, shares
+            dt_train = time.perf_counter() - t0_train
+            dt_handout = t0_train - t0_step - wait  # advantages and shares
             step += 1
-            # ---- 5. publish weights as version `step`; log; checkpoint ----
+            # ---- 5. publish the weights as version `step`; log; checkpoint ----
             if ro is not None and cfg.deterministic:  # publish once all the last version admitted has ended
                 settled = ro.settle(lambda: STOP["signal"] and time.monotonic() - STOP["at"] > cfg.stop_grace)
                 if settled is None:  # the checkpoint then resumes as a non-deterministic run does
                     print(f"{STOP['signal']}: episodes still running after stop_grace: the resume will not be exact")
-                state["resume"] = settled and {"rollout": settled, "held": list(ro.held), "counters": dict(counters),
-                                               "dropped": ro.link.dropped.value}  # counters live: a resume counts again
-            t_eval = time.perf_counter()
-            held = log_held(logger, ro, held)  # the last version's evaluation ends before its weights do
-            t_sync = time.perf_counter()
+                exact_resume = {"rollout": settled, "held": list(ro.held), "counters": dict(counters),
+                                "dropped": ro.link.dropped.value}  # counters as now: a resume counts the held again
+                state["resume"] = None if settled is None else exact_resume
+            t0_eval = time.perf_counter()
+            log_pending(logger, ro, pending_eval)  # the last version's evaluation ends before its weights do
+            t0_sync = time.perf_counter()
             weights = full_state(model, fsdp, changed)
             if ro is not None:
                 ro.publish(weights, step)
-            t_eval, t_sync = t_sync - t_eval, time.perf_counter() - t_sync
-            if rank == 0:
+            dt_eval = t0_sync - t0_eval
+            dt_sync = time.perf_counter() - t0_sync
+            if rank == 0:  # the step's metrics line (held back while its evaluation runs), episodes dumped
                 stats = max((m["stats"] for m in msgs), key=lambda st: st["tokens_generated"])  # the latest
                 state["rollout_counts"] = {k: stats[k] for k in rollout.COUNTS}
                 state["data_position"] = max(state["data_position"], max(m["index"] for m in msgs) + 1)
-                now, generated = time.perf_counter(), stats["tokens_generated"]
-                times = dict(step=now - t_step, wait_rollout=wait, handout=t_hand, train=t_train, weight_sync=t_sync,
-                             wait_eval=t_eval)
-                m = step_metrics(step, msgs, sums, hist, norms, times, counters, stats,
-                                 (generated - last_generated) / max(now - last_t, 1e-9), critic is not None)
-                if cfg.eval_every and ro is not None and step % cfg.eval_every == 0:  # the line waits for it (log_held)
+                t_line = time.perf_counter()
+                times = dict(step=t_line - t0_step, wait_rollout=wait, handout=dt_handout, train=dt_train,
+                             weight_sync=dt_sync, wait_eval=dt_eval)
+                rate = (stats["tokens_generated"] - last_generated) / max(t_line - t_last_line, 1e-9)  # tokens/s
+                metrics = step_metrics(step, msgs, sums, hist, norms, times, counters, stats, rate, critic is not None)
+                if cfg.eval_every and ro is not None and step % cfg.eval_every == 0:  # the line waits for it
                     ro.evaluate(step)
-                    held = m
+                    pending_eval.append(metrics)
                 else:
-                    logger.log(m)
-                last_generated, last_t = generated, now
+                    logger.log(metrics)
+                last_generated, t_last_line = stats["tokens_generated"], t_line
                 if cfg.dump_every and step % cfg.dump_every == 0:
                     dump_episodes(cfg, step, msgs, tokenizer)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps:
-                held = log_held(logger, ro, held)  # the metrics lines of the checkpoint's steps are all written
+                log_pending(logger, ro, pending_eval)  # the metrics lines of the checkpoint's steps are all written
                 save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp, critic)
-        log_held(logger, ro, held)  # eval_only's
+        log_pending(logger, ro, pending_eval)  # eval_only's
     finally:
         if ro is not None:
             ro.close()

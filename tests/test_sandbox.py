@@ -317,19 +317,29 @@ def test_cannot_list_directories_outside_the_allowlist(target, tmp_path, secret)
 
 @pytest.mark.skipif(not (ROOT and LANDLOCK), reason="CAP_DAC_READ_SEARCH (open_by_handle_at) is kept only as root")
 def test_cannot_open_a_file_by_handle(secret):
-    # The classic escape with CAP_DAC_READ_SEARCH: a file handle opens a file without walking its path.
+    """The classic escape with CAP_DAC_READ_SEARCH: a file handle opens a file without walking its path. The handle
+    is decoded against a mount fd on the secret's own filesystem (a directory the tool may read: its Python's), so
+    that only Landlock stands in the way (EACCES); a mount fd on another filesystem fails with ESTALE whatever the
+    sandbox does."""
     code = f"""
-import ctypes, os
+import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
-handle, mount_id = ctypes.create_string_buffer(136), ctypes.c_int()
-handle[0] = 128  # handle_bytes
-assert libc.name_to_handle_at(-100, {str(secret[0]).encode()!r}, handle, ctypes.byref(mount_id), 0) == 0
-fd = libc.open_by_handle_at(os.open('.', os.O_RDONLY), handle, os.O_RDONLY)  # any fd on the same mount (/tmp)
+
+def handle_of(path):
+    handle, mount_id = ctypes.create_string_buffer(136), ctypes.c_int()
+    handle[0] = 128  # handle_bytes
+    assert libc.name_to_handle_at(-100, path.encode(), handle, ctypes.byref(mount_id), 0) == 0, ctypes.get_errno()
+    return handle, mount_id.value
+
+handle, mount = handle_of({str(secret[0])!r})
+readable = os.path.dirname(sys.executable)
+assert handle_of(readable)[1] == mount, "the mount fd must be on the secret's filesystem"
+fd = libc.open_by_handle_at(os.open(readable, os.O_RDONLY), handle, os.O_RDONLY)
 if fd < 0: raise OSError(ctypes.get_errno(), "open_by_handle_at")
 print(os.read(fd, 100))
 """
     ok, out = run(code)
-    assert not ok and "Error" in out and secret[1] not in out
+    assert not ok and "PermissionError: [Errno 13]" in out and secret[1] not in out, out
 
 
 SYSCALLS = {"x86_64": (41, 425), "aarch64": (198, 425)}.get(os.uname().machine)  # socket, io_uring_setup
@@ -375,7 +385,7 @@ def test_as_a_non_root_user_the_sandbox_still_holds():
                             user=65534, group=65534, extra_groups=[]).returncode == 0  # CLONE_NEWUSER | NEWNET
     abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1)
     src = (Path(__file__).parents[1] / "agent.py").read_text()
-    tools = src[src.index("# ---- tools"):src.index("# ---- built-in tasks")]
+    tools = src[src.index("# ---- tools"):src.index("def openai_client")]
     public, bomb, escape = Path(tempfile.mkdtemp(prefix="nanomolt_public_")), *(f"nm{k}{os.getpid() % 10**6}" for k in "be")
     try:
         public.chmod(0o755)
