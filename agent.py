@@ -17,44 +17,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # ---- tokenizer: a tiny byte-level BPE for models trained from scratch ----
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"]
+ASSETS = Path(__file__).with_name("assets")
 # ChatML as in Qwen3's template, minus thinking: a system turn, tools, tool calls and tool results in its
 # <tool_call> / <tool_response> format (what endpoint.py parses). Frozen, as the tokenizer's merges are.
-CHAT_TEMPLATE = Path(__file__).with_name("assets").joinpath("chat_template.jinja").read_text()
-# The built-in tasks' text (agents/guess.py), as the tokenizer's corpus has it: frozen, see _corpus
-CORPUS_GUESS = "Guess my number from 1 to {}."
-CORPUS_FEEDBACK = ["{} is too low", "{} is too high", "correct", "say a number"]
-CORPUS_CALC = "What is {}*{}+{}? You may write `calc: <python expression>`."
+CHAT_TEMPLATE = ASSETS.joinpath("chat_template.jinja").read_text()
 IMAGE_PAD = "<|image_pad|>"  # an image is one IMAGE_PAD per 2 x 2 patches
 
 
-def _corpus(rng: random.Random):
-    """Synthetic text of the built-in tasks: merges go to the words the tasks use, nothing else. Frozen: text added
-    here changes every merge, and with them the default run's tokens (see the README)."""
-    for _ in range(2000):
-        a, b, c, n = (rng.randint(1, 9) for _ in range(4))
-        yield from ["user\nassistant\ntool\nsystem\n", CORPUS_GUESS.format(n), *(f.format(a) for f in CORPUS_FEEDBACK),
-                    f"I guess {a}.", CORPUS_CALC.format(a, b, c), f"calc: {a}*{b}+{c}", f"The answer is {a * b + c}.",
-                    f"{a}+{b}=", "error: exit code 1\nTraceback (most recent call last):\n  File \"main.py\"",
-                    "error: timed out", "NameError: name 'x' is not defined", "SyntaxError: invalid syntax",
-                    "ZeroDivisionError"]
-
-
-def make_tokenizer(path: str, vocab_size: int = 384) -> None:
-    """Train and save (tokenizer.json + tokenizer_config.json) a tokenizer that AutoTokenizer loads. No download."""
-    tok = Tokenizer(models.BPE())
-    # Every digit is its own token, so a tiny model reads and writes numbers digit by digit.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # all 256 bytes: any text
-    tok.train_from_iterator(_corpus(random.Random(0)), trainer)  # same corpus, same merges: same files every call
+def make_tokenizer(path: str) -> None:
+    """Save the tiny models' tokenizer (tokenizer.json + tokenizer_config.json), which AutoTokenizer loads: a BPE of
+    384 ids, digits one token each, trained on the built-in tasks' text by tools/make_tokenizer.py. No download."""
     os.makedirs(path, exist_ok=True)
-    tok.save(os.path.join(path, "tokenizer.json"))
+    shutil.copy(ASSETS / "tiny_tokenizer.json", os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
               "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 4096,
               "clean_up_tokenization_spaces": False}

@@ -120,6 +120,8 @@ class Config:
     def __post_init__(self):
         # ---- derived values and cross-field checks ----
         self.batch_size = self.group_size * self.prompts_per_step  # episodes per optimizer step
+        # the engine reads the trainer's weights from shared memory (torch; sglang's broadcast); else from a directory
+        self.weights_in_memory = self.engine == "torch" or (self.engine == "sglang" and self.weight_sync != "disk")
         self.tiny_vision |= self.task == "count"  # the image task needs the tower
         import estimators  # the variant names live beside the functions
         tables = {"engine": ("torch", "vllm", "sglang"), "weight_sync": ("gloo", "nccl", "disk"),

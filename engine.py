@@ -178,7 +178,8 @@ class TorchEngine:
                     self.routing[req.slot] = -1  # forget the previous occupant's experts
             if new:  # prefill: the whole prompt of each new row; sample its first token. Equal prompts and images (a
                 first = {}  # GRPO group's) are computed once, its keys, values and experts copied to the others
-                leads = [first.setdefault((*r.ids, *(im.numpy().tobytes() for im in r.images or ())), r) for r in new]
+                images = [[(im.shape, im.numpy().tobytes()) for im in r.images or ()] for r in new]  # shape: H != W
+                leads = [first.setdefault((*r.ids, *ims), r) for r, ims in zip(new, images)]
                 uniq = list(first.values())
                 logits = self._forward(uniq, [r.ids for r in uniq], [0] * len(uniq), prefill=True)
                 copies = [(r.slot, lead.slot) for r, lead in zip(new, leads) if r is not lead]  # (to, from)

@@ -463,7 +463,8 @@ def from_hf_state(hf, mc: ModelConfig):
     for pre in dict.fromkeys(k.split(".experts.")[0] for k in hf if ".experts." in k):  # each MoE layer's mlp
         if f"{pre}.experts.gate_up_proj" in hf:  # transformers 5's in memory: (E, 2I, H), gate first; the Hub's
             gate_up, down = hf[f"{pre}.experts.gate_up_proj"], hf[f"{pre}.experts.down_proj"]  # Qwen3-VL-MoE:
-            if gate_up.shape[1] != 2 * mc.moe_intermediate_size:  # (E, H, 2I) and (E, I, H)
+            ffn, width = mc.moe_intermediate_size, mc.hidden_size  # (E, H, 2I) and (E, I, H): the pair of shapes tells
+            if (gate_up.shape[1:], down.shape[1:]) == ((width, 2 * ffn), (ffn, width)):  # them apart, even at H == 2I
                 gate_up, down = gate_up.mT, down.mT
             out[f"{pre}.w_gate"], out[f"{pre}.w_up"] = (t.contiguous() for t in gate_up.chunk(2, dim=1))
             out[f"{pre}.w_down"] = down.contiguous()

@@ -54,7 +54,9 @@ class Policy:
             raise RuntimeError("this episode has timed out; its policy is closed")
         images = check_images(ids, images, getattr(self.engine, "c", None))  # bad input fails here, in the agent
         sampling = dict(self.sampling)
-        max_new_tokens = max_new_tokens or sampling.pop("max_new_tokens", None)
+        default_limit = sampling.pop("max_new_tokens", None)  # an evaluation's: the agent's own limit wins
+        if max_new_tokens is None:
+            max_new_tokens = default_limit
         try:
             completion = await self.engine.generate(ids, max_new_tokens, images=images, key=next(self.keys),
                                                     sampling=sampling)
@@ -147,6 +149,15 @@ def episode_to_msg(ep, index, group, record):
             "engine_ids": engine_ids, "images": [im.float().cpu() for im in ep.images],  # (C, H, W) each, on the CPU
             "reward": float(ep.reward), "group": group, "index": index,
             "info": {k: float(v) for k, v in ep.info.items()}}
+
+
+def dump_row(msg, tokenizer):
+    """An episode message as a row of a dump (what tools/view.py shows): its text, and per token its id, text, loss
+    mask, the engine's logprob and the policy version that sampled it (-1: not sampled)."""
+    ids = msg["ids"].tolist()
+    return {"group": msg["group"], "reward": msg["reward"], "info": msg["info"], "text": tokenizer.decode(ids),
+            "ids": ids, "pieces": tokenizer.batch_decode([[t] for t in ids]), "mask": msg["loss_mask"].tolist(),
+            "logprobs": msg["logprobs"].tolist(), "versions": msg["versions"].tolist()}
 
 
 PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids")  # tensors, length first
@@ -249,10 +260,10 @@ async def evaluate(cfg, episode, tokenizer, version, out):
     os.makedirs(os.path.join(cfg.out_dir, "eval"), exist_ok=True)
     with open(os.path.join(cfg.out_dir, "eval", f"step_{version}.jsonl"), "w") as f:
         for t, ms in zip(tasks, done):
-            for row in [{"error": repr(ms)}] if isinstance(ms, BaseException) else [dict(
-                    reward=m["reward"], info=m["info"], text=tokenizer.decode(m["ids"].tolist())) for m in ms]:
+            for row in [{"error": repr(ms)}] if isinstance(ms, BaseException) else [dump_row(m, tokenizer) for m in ms]:
                 f.write(json.dumps({"step": version, "index": t["index"], "prompt": -1 - t["group"]} | row) + "\n")
-    passed = rewards >= cfg.eval_pass_reward  # (P, K), P: eval_prompts
+    ended = torch.tensor([t["index"] in eps for t in tasks]).view(-1, K)
+    passed = ended & (rewards >= cfg.eval_pass_reward)  # (P, K), P: eval_prompts; a failed episode never passes
     n = max(len(eps), 1)  # the episodes that ended
     out.put({"eval/reward_mean": sum(ms[0]["reward"] for ms in eps.values()) / n,
              "eval/pass@1": est.pass_at_k(passed=passed, k=1).mean().item(),
@@ -377,8 +388,9 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, state=None, dropped=0):
     """Rank 0: the rollout process, and the servers unless server_urls names them (state, dropped: a checkpoint's)."""
     ctx = mp.get_context("spawn")
-    memory = cfg.engine == "sglang" and cfg.weight_sync != "disk"  # the rollout process broadcasts the shared tensors
-    shared = {k: v.clone().share_memory_() for k, v in weights.items()} if cfg.engine == "torch" or memory else None
+    shared = None  # the weights the engine reads (torch) or the rollout process broadcasts (sglang in memory)
+    if cfg.weights_in_memory:
+        shared = {k: v.clone().share_memory_() for k, v in weights.items()}
     write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
     procs = []  # the servers started here: [(process, log path)]
     servers = None  # [(url, log path or None)]; None: the torch engine
@@ -398,7 +410,7 @@ def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer
     proc = ctx.Process(target=rollout_main, daemon=True, name="nanomolt-rollout",
                        args=(cfg, model_cfg, link, start_index, tokenizer_dir, state))
     proc.start()
-    return Rollout(proc, link, procs, None if memory or cfg.engine == "torch" else write, cfg.deterministic)
+    return Rollout(proc, link, procs, None if cfg.weights_in_memory else write, cfg.deterministic)
 
 
 class Rollout:
@@ -411,10 +423,11 @@ class Rollout:
         self.deterministic = deterministic
         self.held = deque()  # settled groups, untrained
         self.idle = None  # the rollout's last report that all it admitted has ended (settle)
+        self.died = None  # why the rollout process (or a server) died: every wait then returns, the trainer stops
 
     def get(self, timeout=1.0, stop=lambda: None):
-        """Next group: a list of episode messages, or None after `timeout` seconds without one; raises if the
-        rollout process or a server it uses died. deterministic: the settled groups, in data order (None: stop())."""
+        """Next group: a list of episode messages, or None after `timeout` seconds without one, or once the rollout
+        died (`died`). deterministic: the settled groups, in data order (None: stop())."""
         if self.deterministic and not self.held:
             self.settle(stop)  # nothing held after a stop: None
         if self.held or self.deterministic:  # deterministic: the settled groups only
@@ -427,9 +440,10 @@ class Rollout:
         drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`); None
         once stop() is true (a signal: episodes may run up to episode_timeout, longer than a preemption's grace)."""
         while self.idle is None or self.idle["idle"] != (self.link.version.value, self.link.dropped.value):
-            if stop():
+            if stop() or self.died:
                 return None
-            if (item := self._next(1.0)) is not None and "idle" in item:  # the report
+            item = self._next(1.0)
+            if item is not None and "idle" in item:  # the report
                 self.idle = item
             elif item is not None:  # a group (packed: the checkpoint saves it so)
                 self.held.append(item)
@@ -440,24 +454,33 @@ class Rollout:
         """Ask the rollout process to evaluate weights `version`, the ones just published (see evaluate)."""
         self.link.evals[0].value = version
 
-    def eval_result(self):
-        """-> the eval/ metrics asked for last; waits (the next publish must not come before they are sampled)."""
-        while (m := self._next(1.0, self.link.evals[1])) is None:
-            pass
-        return m
+    def eval_result(self, stop=lambda: None):
+        """-> the eval/ metrics asked for last ({} once stop() is true or the rollout died); waits: the next publish
+        must not come before they are sampled."""
+        metrics = None
+        while metrics is None and not (stop() or self.died):
+            metrics = self._next(1.0, self.link.evals[1])
+        return metrics or {}
 
     def _next(self, timeout, q=None):
+        """An item of the episodes' queue (or q), or None after `timeout`, or at once after the rollout died."""
+        if self.died:
+            return None
         try:
             return (self.link.out_q if q is None else q).get(timeout=timeout)
         except (OSError, EOFError) as e:  # the sender died while the item's tensors were being handed over
-            raise RuntimeError(f"rollout process died while sending episodes ({e!r})") from e
+            self.died = f"rollout process died while sending episodes ({e!r})"
         except queue_mod.Empty:
-            for proc, log in self.servers:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"inference server died (exit code {proc.returncode}){log_tail(log)}")
-            if not self.proc.is_alive():
-                raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}); its traceback is above")
-            return None
+            self.check_alive()
+        return None
+
+    def check_alive(self):
+        """Set `died` if the rollout process or a server it started has died (the trainer stops, checkpointed)."""
+        for proc, log in self.servers:
+            if proc.poll() is not None:
+                self.died = f"inference server died (exit code {proc.returncode}){log_tail(log)}"
+        if not self.proc.is_alive():
+            self.died = f"rollout process died (exit code {self.proc.exitcode}); its traceback is above"
 
     def publish(self, state, version):
         """Hand new weights to the engine as `version`: copied into its shared tensors (torch; sglang in
@@ -467,8 +490,9 @@ class Rollout:
             self.link.version.value = version
             return
         while not self.link.lock.acquire(timeout=1.0):  # a process killed inside a forward never releases it
-            if self.proc is not None and not self.proc.is_alive():
-                raise RuntimeError(f"rollout process died (exit code {self.proc.exitcode}) holding the weights lock")
+            self.check_alive()
+            if self.died:
+                return
         try:
             for k, t in state.items():
                 self.link.weights[k].copy_(t)

@@ -520,8 +520,11 @@ class Logger:
         open(os.path.join(os.path.dirname(self.path), "config.json"), "w").write(json.dumps(vars(cfg), indent=2))
         if cfg.wandb_project:
             import wandb
-            run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, id=state.get("wandb_id"),
-                             resume="allow", config=vars(cfg), dir=cfg.out_dir)
+            # resumed: W&B drops steps below a run's latest, so the run rewinds to the checkpoint's step, and the
+            # steps trained after it (before a crash) are logged anew
+            rewind = {"resume_from": f"{state['wandb_id']}?_step={step}"} if "wandb_id" in state else {}
+            run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, config=vars(cfg), dir=cfg.out_dir,
+                             **rewind)
             state["wandb_id"], self.to_wandb = run.id, run.log
 
     def log(self, m):
@@ -546,24 +549,31 @@ class Logger:
         print(" | ".join(parts), flush=True)
 
 
-def log_pending(logger, ro, pending, wait=True):
-    """Log the line held for its evaluation (pending: [] or [line]) with its eval/ metrics (wait=False: without)."""
+def log_pending(logger, ro, pending):
+    """Log the line held for its evaluation (pending: [] or [line]) with its eval/ metrics, waiting for them unless
+    the run is stopping (a signal past stop_grace, or the rollout died: then without them)."""
     while pending:
-        logger.log(pending.pop() | (ro.eval_result() if wait else {}))
+        logger.log(pending.pop() | ro.eval_result(stop=past_grace))
 
 
-def dump_episodes(cfg, step, msgs, tokenizer, n=4):
+def dump_episodes(cfg, step, msgs, advantages, tokenizer, n_groups=2):
+    """The first groups of a batch, whole, each episode token by token (rollout.dump_row), to episodes.jsonl."""
+    groups = sorted({m["group"] for m in msgs})[:n_groups]
     with open(os.path.join(cfg.out_dir, "episodes.jsonl"), "a") as f:
-        for m in msgs[:n]:
-            ids, mask = m["ids"].tolist(), m["loss_mask"].tolist()
-            f.write(json.dumps({"step": step, "index": m["index"], "reward": m["reward"], "info": m["info"],
-                                "text": tokenizer.decode(ids),
-                                "tokens": [[tokenizer.decode([t]), k] for t, k in zip(ids, mask)]}) + "\n")
+        for m, adv in zip(msgs, advantages):
+            if m["group"] in groups:
+                row = {"step": step, "index": m["index"], "advantage": adv} | rollout.dump_row(m, tokenizer)
+                f.write(json.dumps(row) + "\n")
 
 # ---- the loop ----
 
 
-STOP = {"signal": None, "at": 0.0}  # set by SIGTERM / Ctrl-C; the loop checkpoints and exits at the next step
+STOP = {"signal": None, "at": 0.0, "grace": 10.0}  # set by SIGTERM / Ctrl-C: the loop checkpoints and exits
+
+
+def past_grace():
+    """A signal came more than stop_grace seconds ago: waits on running episodes give up (the run must end)."""
+    return STOP["signal"] is not None and time.monotonic() - STOP["at"] > STOP["grace"]
 
 
 def take_batch(cfg, ro, version, counters):
@@ -578,9 +588,9 @@ def take_batch(cfg, ro, version, counters):
     groups = []
     filtered = 0  # groups filtered out in a row
     while len(groups) < cfg.prompts_per_step:
-        if STOP["signal"]:  # before every group: with filter_groups on a solved task groups come, each filtered
-            return None, time.perf_counter() - t0_wait
-        group = ro.get(stop=lambda: STOP["signal"])  # None: nothing for a second, or a signal ended a settle
+        if STOP["signal"] or ro.died:  # before every group: with filter_groups on a solved task groups come, each
+            return None, time.perf_counter() - t0_wait  # filtered
+        group = ro.get(stop=lambda: STOP["signal"])  # None: nothing for a second, a signal, or a dead rollout
         if group is None:
             continue
         if group[0]["index"] < 0:  # evaluation episodes (negative indices) never leave the rollout process
@@ -608,15 +618,17 @@ def take_batch(cfg, ro, version, counters):
 
 def next_batch(cfg, ro, step, counters, rank, world):
     """Rank 0 takes the batch and sends it to every rank, packed, with one decision to stop (a signal may reach the
-    ranks at different times) -> (msgs, wait s, stop: None, the signal's name, or "error: ..." from a dead rollout)"""
+    ranks at different times) -> (msgs, wait s, stop: None, the signal's name, or "error: ..."). The rollout
+    dying in any wait of a step ends the next take_batch: the step is logged and checkpointed first."""
     msgs, wait = None, 0.0  # take_batch's (rank 0 alone has msgs)
     stop = STOP["signal"]
     if rank == 0 and stop is None:
         try:
             msgs, wait = take_batch(cfg, ro, step, counters)
-            stop = STOP["signal"] if msgs is None else None  # a signal came while waiting
-        except RuntimeError as e:  # the rollout process died: every rank stops, with a checkpoint
+        except RuntimeError as e:  # (filtered groups without end): every rank stops, with a checkpoint
             stop = f"error: {e}"
+        if msgs is None and stop is None:
+            stop = STOP["signal"] or f"error: {ro.died}"  # a signal came while waiting, or the rollout died
     if world > 1:
         out = [(stop, rollout.pack(msgs) if msgs else None)]  # packed: numpy arrays pickle by value
         dist.broadcast_object_list(out, src=0)
@@ -626,18 +638,25 @@ def next_batch(cfg, ro, step, counters, rank, world):
     return msgs, wait, stop
 
 
+def cpu_threads(cfg):
+    """Each trainer rank's torch threads on CPU: cpu_threads, or an equal share of this node's cores among its ranks
+    and the rollout process (torchrun's LOCAL_WORLD_SIZE: the ranks on this node, not in the whole run)."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return cfg.cpu_threads or max(1, (os.cpu_count() or 1) // (ranks_here + 1))
+
+
 def main(argv=None):
     """The run, each step as the module docstring says, by this trainer (one per rank under torchrun) and, beside
     rank 0, the rollout process. A signal, or the rollout process dying, ends the loop at a step's end, checkpointed."""
     cfg = config.load(argv)
+    STOP["grace"] = cfg.stop_grace
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda num, _: STOP.update(signal=signal.Signals(num).name, at=time.monotonic()))
     for path in filter(None, (cfg.task_file, cfg.eval_file)):
         agent.load_task_file(path)  # a malformed line stops the run here, naming file and line
     check_out_dir(cfg)  # on every rank, before anything is written
     rank, world, device, fsdp = compute_init(cfg)
-    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // (world + 1))  # the rollout process takes one
-    torch.set_num_threads(threads if device.type == "cpu" else 8)
+    torch.set_num_threads(cpu_threads(cfg) if device.type == "cpu" else 8)
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed + rank)
 
@@ -675,7 +694,7 @@ def main(argv=None):
 
     # ---- the rollout process (rank 0), sampling with the weights handed to it ----
     weights = full_state(model, fsdp)
-    changed = cfg.lora_rank > 0 and (cfg.engine == "torch" or cfg.weight_sync != "disk")  # LoRA: only what changes
+    changed = cfg.lora_rank > 0 and cfg.weights_in_memory  # LoRA: only what changes (a directory needs all)
     tokenizer = agent.load_tokenizer(tokenizer_dir) if rank == 0 else None
     logger = Logger(cfg, step, state) if rank == 0 else None
     ro = None  # rank 0's, but none with replay
@@ -700,14 +719,15 @@ def main(argv=None):
             # ---- 1. a batch from the rollout queue, or every rank stops, checkpointed ----
             msgs, wait, stop = next_batch(cfg, ro, step, counters, rank, world)
             if stop is not None:
-                log_pending(logger, ro, pending_eval, wait=not stop.startswith("error"))
+                log_pending(logger, ro, pending_eval)
                 save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp, critic)
                 if stop.startswith("error"):
                     raise RuntimeError(f"{stop}; checkpoint of step {step} written to {cfg.out_dir}/ckpt")
                 print(f"{stop}: checkpoint of step {step} written to {cfg.out_dir}/ckpt; exiting", flush=True)
                 break
             # ---- 2. advantages (opd: GRPO's of the task reward, weighted; the teacher's come per token), shares ----
-            share = make_shares(msgs, advantages(cfg, msgs).tolist(), world, cfg)[rank]  # every rank deals alike
+            episode_advantages = advantages(cfg, msgs).tolist()
+            share = make_shares(msgs, episode_advantages, world, cfg)[rank]  # every rank deals alike
             # ---- 3-4. recompute, loss, backward, optimizer steps ----
             t0_train = time.perf_counter()
             vec, norms = train_step(model, opt, share, cfg, step, world, ref, teacher, critic)
@@ -722,8 +742,8 @@ def main(argv=None):
             step += 1
             # ---- 5. publish the weights as version `step`; log; checkpoint ----
             if ro is not None and cfg.deterministic:  # publish once all the last version admitted has ended
-                settled = ro.settle(lambda: STOP["signal"] and time.monotonic() - STOP["at"] > cfg.stop_grace)
-                if settled is None:  # the checkpoint then resumes as a non-deterministic run does
+                settled = ro.settle(past_grace)
+                if settled is None and STOP["signal"]:  # the checkpoint then resumes as a non-deterministic run does
                     print(f"{STOP['signal']}: episodes still running after stop_grace: the resume will not be exact")
                 exact_resume = {"rollout": settled, "held": list(ro.held), "counters": dict(counters),
                                 "dropped": ro.link.dropped.value}  # counters as now: a resume counts the held again
@@ -752,7 +772,7 @@ def main(argv=None):
                     logger.log(metrics)
                 last_generated, t_last_line = stats["tokens_generated"], t_line
                 if cfg.dump_every and step % cfg.dump_every == 0:
-                    dump_episodes(cfg, step, msgs, tokenizer)
+                    dump_episodes(cfg, step, msgs, episode_advantages, tokenizer)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.max_steps:
                 log_pending(logger, ro, pending_eval)  # the metrics lines of the checkpoint's steps are all written
                 save_checkpoint(cfg, model, opt, state | {"step": step}, tokenizer_dir, rank, fsdp, critic)

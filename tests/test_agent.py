@@ -1,6 +1,9 @@
 """agent.py: tokenizer, Episode bookkeeping, built-in tasks against a scripted fake llm, loading, task streams."""
 import asyncio
 import math
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +12,8 @@ import torch
 import agent
 from agent import Episode, load_agent, make_task, make_tokenizer, prompt_ids, turn_suffix
 from rollout import check_tokens
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def end_id(tok):
@@ -52,7 +57,7 @@ def test_tokenizer_loads_and_renders_chatml(tok):
                  "<|im_start|>assistant\n5<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(tok.encode(s, add_special_tokens=False)) == s
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
-    for t in agent.SPECIAL_TOKENS:
+    for t in ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"]:  # the special tokens
         ids = tok.encode(t, add_special_tokens=False)
         assert len(ids) == 1 and ids[0] == tok.convert_tokens_to_ids(t) < 4, t
 
@@ -66,11 +71,14 @@ def test_digits_are_single_tokens(tok):
     assert not [t for t in tok.get_vocab() if len(t) > 1 and t.isdigit()]  # no merged digits anywhere
 
 
-def test_make_tokenizer_is_deterministic(tmp_path):
+def test_the_tiny_tokenizer_is_the_one_its_tool_trains(tmp_path):
+    """assets/tiny_tokenizer.json is frozen (the default run's tokens depend on its merges) and honest: the tool
+    that trains it writes it again byte for byte; make_tokenizer saves it as AutoTokenizer loads it."""
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_tokenizer.py"), str(tmp_path / "trained.json")],
+                   check=True, capture_output=True)
+    assert (tmp_path / "trained.json").read_bytes() == (agent.ASSETS / "tiny_tokenizer.json").read_bytes()
     make_tokenizer(str(tmp_path / "a"))
-    make_tokenizer(str(tmp_path / "b"))
-    for name in ["tokenizer.json", "tokenizer_config.json"]:
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "trained.json").read_bytes()
 
 
 def test_appending_turns_equals_rendering(tok):

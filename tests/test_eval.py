@@ -41,9 +41,11 @@ def test_held_out_prompts_come_from_random_streams_training_never_draws(tmp_path
     assert sorted({t["a"] for t in rollout.eval_tasks(cfg)}) == [5, 6, 7]
 
 
-def evaluate(cfg, engine, tok, version=0):
-    """The rollout's producer (training agents running too) asked for an evaluation of `version` -> its metrics."""
-    out, evals = queue.Queue(), (Counter(version), queue.Queue())
+def evaluate(cfg, engine, tok, version=0, out=None):
+    """The rollout's producer (training agents running too) asked for an evaluation of `version` -> its metrics;
+    `out`: the trainer's queue, which the groups of training go to."""
+    out = queue.Queue() if out is None else out
+    evals = (Counter(version), queue.Queue())
 
     async def main():
         prod = asyncio.create_task(rollout.produce(cfg, engine, tok, out, Counter(), 0, len(tok), evals=evals))
@@ -96,8 +98,60 @@ def test_a_chat_agent_evaluates_through_the_endpoint(tok, tmp_path):
     assert all("What is" in r["text"] for r in rows if "text" in r)  # the chat template's rendering of the prompt
 
 
-def test_an_evaluation_episode_never_reaches_the_trainer():
+AGENTS = os.path.join(ROOT, "tests", "agents")
+
+
+@pytest.mark.parametrize("limit", [2, 8])
+def test_an_evaluation_keeps_the_limit_a_chat_agent_sets(tok, tmp_path, limit):
+    """A chat agent passes max_tokens (2, below the evaluation's eval_max_new_tokens=4; 8, above it): the evaluation
+    runs, and the agent's own limit wins over the evaluation's default, as over max_new_tokens in training."""
+    source = open(os.path.join(AGENTS, "chat_limit.py")).read()
+    (tmp_path / "chat_limit.py").write_text(source.replace("max_tokens=2", f"max_tokens={limit}"))
+    cfg = config.load([f"--task={tmp_path}/chat_limit.py", f"--out_dir={tmp_path}", "--group_size=2",
+                       "--eval_prompts=3", "--eval_samples=2", "--eval_max_new_tokens=4"])
+    m = evaluate(cfg, engine_for(tok), tok)
+    rows = dump(tmp_path, 0)
+    assert m["eval/episodes"] == 6 and m["eval/failed"] == 0, rows
+    assert max(r["info"]["completion_tokens"] for r in rows) == limit  # (a random policy rarely stops earlier)
+    assert 1 <= m["eval/response_tokens"] <= limit
+    assert m["eval/pass@1"] == pytest.approx(sum(r["reward"] for r in rows) / 6)
+
+
+def test_an_evaluation_keeps_the_limit_a_token_agent_sets(tok, tmp_path):
+    cfg = config.load([f"--task={AGENTS}/token_limit.py", f"--out_dir={tmp_path}", "--group_size=2",
+                       "--eval_prompts=3", "--eval_samples=2", "--eval_max_new_tokens=4"])
+    m = evaluate(cfg, engine_for(tok), tok)
+    rows = dump(tmp_path, 0)
+    assert m["eval/episodes"] == 6 and m["eval/failed"] == 0, rows
+    assert [r["info"]["sampled"] for r in rows] == [1.0] * 6 and m["eval/response_tokens"] == 1
+
+
+def test_a_failed_evaluation_episode_never_passes(tok, tmp_path):
+    """eval_pass_reward <= 0 would let a failed episode's 0 pass: a failed episode never passes."""
+    cfg = config.load([f"--task={AGENTS}/always_fails.py", f"--out_dir={tmp_path}", "--group_size=2",
+                       "--eval_prompts=2", "--eval_samples=2", "--eval_pass_reward=0", "--max_failed_groups=1000"])
+    m = evaluate(cfg, engine_for(tok), tok)
+    assert m["eval/failed"] == m["eval/episodes"] == 4
+    assert m["eval/pass@1"] == m["eval/pass@2"] == 0.0
+
+
+def test_an_evaluation_episode_never_reaches_the_trainers_queue(tok, tmp_path):
+    """Evaluation runs in the rollout beside training's agents: its episodes go to its dump and metrics, never to the
+    queue the trainer takes batches from (where training's groups do go meanwhile)."""
+    cfg = config.load(["--task=arith", f"--out_dir={tmp_path}", "--group_size=2", "--eval_prompts=4",
+                       "--eval_samples=2"])
+    out = queue.Queue()
+    m = evaluate(cfg, engine_for(tok), tok, out=out)
+    assert m["eval/episodes"] == 8 and m["eval/failed"] == 0
+    items = [out.get() for _ in range(out.qsize())]
+    indices = [msg["index"] for item in items for msg in rollout.unpack(item)]
+    assert indices and min(indices) >= 0, indices  # training's episodes only
+
+
+def test_the_trainer_refuses_an_evaluation_episode():
     class Ro:  # a rollout whose queue (wrongly) holds an evaluation episode
+        died = None
+
         def get(self, stop=None):
             return [{"index": -3, "reward": 0.0}]
     cfg = config.load(["--prompts_per_step=1"])
@@ -183,6 +237,40 @@ def test_wandb_offline_run_holds_the_metrics_lines_and_a_resumed_run_continues_i
             assert history[m["step"]][k] == pytest.approx(v), k
 
 
+def test_a_wandb_run_resumed_after_a_crash_rewinds_to_the_checkpoint_and_logs_the_steps_again(tmp_path):
+    """A crash after step 3 with the checkpoint at 2: the resumed run trains 3 and 4 again. W&B drops steps below a
+    run's latest, so the resumed process rewinds the run to the checkpoint's step (resume_from) and logs 3, 4 anew."""
+    pytest.importorskip("wandb", reason="wandb is in requirements.txt")
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           f"--out_dir={out}", "--prompts_per_step=2", "--ckpt_every=2", "--wandb_project=nanomolt-test",
+           "--eval_every=2", "--eval_prompts=2", "--eval_samples=2"]
+    env = ENV | {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    p = subprocess.Popen(cmd + ["--max_steps=100"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists() or len(metrics(out)) < 3:
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.05)
+    finally:
+        os.killpg(p.pid, 9)  # the trainer, its rollout process and W&B's service: a crash
+        p.wait()
+    r = subprocess.run(cmd + ["--max_steps=4", "--resume"], env=env, cwd=ROOT, timeout=600, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb")), key=os.path.getmtime)
+    assert len({os.path.basename(f) for f in files}) == 1  # one run id
+    records = wandb_records(files[-1])  # the resumed process's
+    run = next(rec.run for rec in records if rec.WhichOneof("record_type") == "run")
+    assert (run.branch_point.run, run.branch_point.metric, run.branch_point.value) == (run.run_id, "_step", 2)
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+               for rec in records if rec.WhichOneof("record_type") == "history"]
+    steps = [h["step"] for h in history]
+    assert all(h["_step"] == h["step"] for h in history if "_step" in h)
+    assert steps == [m["step"] for m in metrics(out)][2:] == [3, 4]  # eval/ of step 4 on its line
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_the_console_line_names_each_pass_at_k_once(tmp_path, capsys, k):
     """An evaluation's console line: pass@1, and pass@k beside it only when k > 1 (eval_samples=1: pass@1 once)."""
@@ -194,3 +282,23 @@ def test_the_console_line_names_each_pass_at_k_once(tmp_path, capsys, k):
     log({"step": 1, "eval/pass@1": 0.25, f"eval/pass@{k}": 0.5 if k > 1 else 0.25})
     line = capsys.readouterr().out
     assert line.count("pass@1 0.250") == 1 and ("pass@4 0.500" in line) == (k == 4), line
+
+
+AGENT_FILES = ["guess", "calc", "arith", "count", *(os.path.join("tests", "agents", f) for f in (
+    "count_chat.py", "process_agent.py", "token_limit.py", "chat_limit.py"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", AGENT_FILES)
+def test_every_built_in_task_and_test_agent_trains_and_evaluates_under_the_default_recipe(tmp_path, task):
+    """Each agent (token level, chat level, a process, images; with or without its own limits) through a training step
+    and the held-out evaluation that the default recipe runs every eval_every steps."""
+    vision = ["--tiny_vision"] if "count" in task else []
+    r = run_train(tmp_path, f"--task={task}", "--max_steps=2", "--eval_every=1", "--eval_prompts=2",
+                  "--eval_samples=2", "--prompts_per_step=2", "--group_size=2", "--engine_max_len=512", *vision)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = metrics(tmp_path)
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        assert m["eval/episodes"] == 4 and m["eval/failed"] == 0 and m["eval/response_tokens"] >= 1, m
+        assert m["tokens/trained"] > 0 and m["rollout/agent_errors"] == m["rollout/malformed"] == 0

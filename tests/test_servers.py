@@ -632,10 +632,12 @@ def train_loop_on_policy(tmp_path, engine, flags, env=()):
 
 @pytest.mark.slow
 @needs_vllm
-def test_train_loop_against_vllm(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["--lora_rank=4"]], ids=["full", "lora"])
+def test_train_loop_against_vllm(tmp_path, lora):
     """The whole async loop with engine=vllm: on-policy, so every step loads new weights into the server;
-    every trained token was sampled by the server under the weights that train it; it evaluates each version."""
-    ms = train_loop_on_policy(tmp_path, "vllm", [f"--out_dir={tmp_path}", "--engine=vllm",
+    every trained token was sampled by the server under the weights that train it; it evaluates each version.
+    LoRA with the default weight_sync: vLLM loads whole directories, so it gets the whole merged state."""
+    ms = train_loop_on_policy(tmp_path, "vllm", [f"--out_dir={tmp_path}", "--engine=vllm", *lora,
                               f"--server_python={VLLM_PYTHON}", "--server_args=--enforce-eager", "--tiny_experts=0"])
     assert all(m["mismatch/logprob_abs_diff"] < 1e-4 for m in ms), ms
     assert not {"v0", "v1"} & set(os.listdir(tmp_path / "engine_weights"))  # older versions are deleted

@@ -147,7 +147,8 @@ def test_on_policy_run_is_consistent_and_resumes_exactly(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b" / "ckpt"))
     assert hf.config.num_experts == 8
     ep = json.loads(open(tmp_path / "a" / "episodes.jsonl").readline())
-    assert "Guess my number" in ep["text"] and any(k == 1 for _, k in ep["tokens"])
+    assert "Guess my number" in ep["text"] and any(ep["mask"]) and len(ep["pieces"]) == len(ep["ids"])
+    assert all(v >= 0 and lp < 0 for k, v, lp in zip(ep["mask"], ep["versions"], ep["logprobs"]) if k)
 
 
 def test_async_run_bounds_staleness_and_matches_current_tokens(tmp_path):

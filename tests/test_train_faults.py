@@ -268,3 +268,46 @@ def test_a_sigterm_after_filtered_groups_does_not_count_them_twice_on_resume(tmp
     ms = metrics(tmp_path / "run")
     assert [m["step"] for m in ms] == [1, 2, 3, 4]
     assert [m["rollout/filtered_groups"] for m in ms] == [0, 0, 2, 2]  # groups 4 and 5, once each
+
+
+# ---- a rollout process that dies in any wait of the trainer's: a checkpoint, then the error ----
+
+DIE_AGENT = """
+import os, signal
+from agent import load_agent
+
+guess = load_agent("guess")
+async def run(task, llm):
+    if task["index"] {when}:
+        os.kill(os.getpid(), signal.SIGKILL)  # the rollout process: the agent runs in it
+    return await guess(task, llm)
+"""
+
+
+@pytest.mark.parametrize("when,args,step", [
+    ("< 0", ["--eval_every=1", "--eval_prompts=2", "--eval_samples=2"], 1),  # in the evaluation of step 1
+    ("== 40", ["--deterministic"], 2)], ids=["evaluation", "deterministic-settle"])  # in a settle, after step 2
+def test_a_rollout_process_that_dies_in_any_wait_leaves_a_checkpoint(tmp_path, when, args, step):
+    p = start(tmp_path, DIE_AGENT.format(when=when), "--prompts_per_step=2", "--max_steps=5", "--ckpt_every=0", *args)
+    try:
+        _, err = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode != 0 and "rollout process died" in err, err[-3000:]
+    saved = torch.load(tmp_path / "run" / "ckpt" / "trainer.pt", weights_only=False)
+    lines = metrics(tmp_path / "run")
+    # the steps trained before the death was seen (groups already queued may train one more), each logged
+    assert saved["step"] == len(lines) >= step and [m["step"] for m in lines] == list(range(1, len(lines) + 1))
+
+
+def test_cpu_threads_divide_the_node_among_its_own_ranks(monkeypatch):
+    """Two nodes of 8 ranks on 64 cores: each rank's share is of its node (8 ranks and the rollout process), not of
+    the 16 ranks of the whole run."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert train.cpu_threads(config.load([])) == 64 // 9
+    assert train.cpu_threads(config.load(["--cpu_threads=3"])) == 3
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # python train.py: one rank and the rollout process
+    assert train.cpu_threads(config.load([])) == 32

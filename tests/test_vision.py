@@ -16,6 +16,7 @@ import endpoint
 from engine import TorchEngine
 from model_moe import ModelConfig, Transformer
 from rollout import Policy, check_images, check_tokens, episode_to_msg
+from test_rollout import drive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, START, END = 290, 292, 293  # the placeholder, vision start and vision end ids of the synthetic-vocab tests
@@ -54,9 +55,7 @@ def images_and_pixels(sizes=SIZES, seed=0):
     """-> (C, H, W) images in [0, 1] (ours), the processor's pixel_values and image_grid_thw of the same (transformers')."""
     import numpy as np
     from PIL import Image
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     rng = np.random.default_rng(seed)
     arrays = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
     proc = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
@@ -399,3 +398,35 @@ def test_image_count_learns_to_count_on_held_out_images(tmp_path):
     assert [s for s, _ in evals] == [0, 20, 40, 60] and evals[0][1] <= 0.05 and evals[-1][1] > 0.1, evals
     fresh = [m for m in ms if m.get("mismatch/tokens")]
     assert fresh and all(m["mismatch/logprob_abs_diff"] < 1e-5 for m in fresh)
+
+
+def test_prompts_whose_images_have_equal_bytes_but_other_shapes_are_prefilled_apart(tok):
+    """The engine shares a prefill between equal prompts with equal images; an 8 x 16 and a 16 x 8 image of the same
+    bytes (as many placeholders each) are different images: each prompt's first token keeps its own logprob."""
+    pad = tok.convert_tokens_to_ids(agent.IMAGE_PAD)
+    wide = torch.rand(3, 8, 16, generator=torch.Generator().manual_seed(0))
+    tall = wide.reshape(3, 16, 8)  # the same bytes
+    ids = agent.prompt_ids(tok, agent.IMAGE_PAD * 2 + "How many?")
+    assert ids.count(pad) == 2  # (8 / 8) x (16 / 8) tokens, either way round
+
+    def first_logprobs(images, keys):  # a key per request: its random draw, so alone and together sample alike
+        engine = engine_for(tok, count_model(tok, 5), seed=0)
+
+        async def main():
+            calls = [engine.generate(ids, max_new_tokens=1, images=[im], key=k) for im, k in zip(images, keys)]
+            return [c.logprobs[0] for c in await asyncio.gather(*calls)]
+        return drive(engine, main)
+    together = first_logprobs([wide, tall], [(0, 0), (1, 0)])  # one engine step prefills both
+    alone = first_logprobs([wide], [(0, 0)]) + first_logprobs([tall], [(1, 0)])
+    assert together == pytest.approx(alone, abs=1e-5)
+    assert abs(alone[0] - alone[1]) > 1e-4  # the shapes matter to the model
+
+
+def test_a_vl_moe_whose_hidden_size_is_twice_its_expert_width_loads_its_own_checkpoint(tmp_path):
+    """The fused expert layouts (transformers' (E, 2I, H) in memory, the Hub's (E, H, 2I)) have gate_up tensors of one
+    shape when H == 2I; the model must still load its own checkpoint and transformers' state."""
+    m = vlm(seed=3)
+    assert m.config.hidden_size == 2 * m.config.moe_intermediate_size
+    m.save_pretrained(str(tmp_path / "ours"))
+    back = Transformer.from_pretrained(str(tmp_path / "ours"))
+    assert all(torch.equal(t, back.state_dict()[k]) for k, t in m.state_dict().items())
