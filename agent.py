@@ -27,8 +27,7 @@ IMAGE_PAD = "<|image_pad|>"  # an image is one IMAGE_PAD per 2 x 2 patches
 
 
 def make_tokenizer(path: str) -> None:
-    """Save the tiny models' tokenizer (tokenizer.json + tokenizer_config.json), which AutoTokenizer loads: a BPE of
-    384 ids, digits one token each, trained on the built-in tasks' text by tools/make_tokenizer.py. No download."""
+    """Save the tiny models' tokenizer, no download: assets' 384-id BPE (tools/make_tokenizer.py), one token a digit."""
     os.makedirs(path, exist_ok=True)
     shutil.copy(ASSETS / "tiny_tokenizer.json", os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
@@ -76,8 +75,7 @@ class Episode:
         self.loss_mask += [0] * len(ids)
 
     def append_image(self, image: torch.Tensor, ids: list[int]) -> None:
-        """An image observation, (3, H, W) floats in [0, 1]: ids hold its placeholders (<|image_pad|> once per token,
-        see count), with any text around them; mask 0 like every observation. Policy.generate checks it."""
+        """An image observation, (3, H, W) floats in [0, 1]; ids hold its placeholders (<|image_pad|>s), mask 0."""
         self.append(ids)
         self.images.append(image)
 
@@ -281,8 +279,7 @@ AGENTS_DIR = Path(__file__).with_name("agents")  # the built-in tasks: agent fil
 
 @functools.lru_cache(maxsize=16)
 def load_agent(name: str):
-    """`run` of an agent file: a path, or the name of one in agents/ (guess -> agents/guess.py), that defines
-    `async def run(task, llm)` returning an Episode (token level) or a reward (chat level)."""
+    """`run` of an agent file (a path, or a name in agents/): `async def run(task, llm)` -> an Episode or a reward."""
     path = AGENTS_DIR / f"{name}.py"
     if not path.is_file():
         path = Path(name)

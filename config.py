@@ -1,6 +1,5 @@
-"""config.py: every knob of a run, in one flat dataclass. `--config configs/x.py` (a Python file that assigns fields) is
-read first, then `--key=value` overrides; `--help` lists every field. Unknown keys, wrong types and impossible
-combinations fail before anything starts, naming the key."""
+"""config.py: every knob of a run, in one flat dataclass. `--config configs/x.py` (assignments) is read first, then
+`--key=value` overrides; `--help` lists every field. Unknown keys, wrong types, impossible combinations fail, named."""
 import ast
 import contextlib
 import re

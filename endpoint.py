@@ -1,10 +1,8 @@
 """endpoint.py: an OpenAI-compatible endpoint, so an agent can be any program that speaks the chat API. One aiohttp
-server per rollout process, in its loop; each episode's base URL is http://127.0.0.1:PORT/ep/<id>/v1. Chat messages
-are rendered with the chat template (/v1/completions takes text or token ids); when the prompt starts with a
-segment's so far (prompts as rendered, completions as sampled), its ids are kept and only the rest is tokenized.
-Else (Qwen3 drops earlier <think> blocks, the agent edits its history) a new segment, one more trained episode.
-Images come as OpenAI image_url content parts with data: URLs; each becomes its run of <|image_pad|> placeholders."""
-import asyncio
+server per rollout process; each episode's base URL is http://127.0.0.1:PORT/ep/<id>/v1. Chat messages are rendered
+with the chat template; when the prompt starts with a segment's so far, its ids are kept and only the rest is
+tokenized, else (Qwen3 drops earlier <think> blocks, the agent edits its history) a new segment: one more trained
+episode. Images come as image_url content parts with data: URLs, each becoming its run of <|image_pad|> tokens."""
 import base64
 import functools
 import hmac
@@ -44,21 +42,17 @@ async def serve(tokenizer, sampling: dict, stop_ids, model: str = "policy") -> d
 
 
 def attach(server: dict, llm):
-    """Give an episode's llm (a rollout.Policy) its base URL, API key and an empty record; -> llm."""
+    """Give an episode's llm (a rollout.Policy) its base URL and API key; -> llm."""
     eid = secrets.token_urlsafe(16)  # both unguessable: any local process (tool code too) can reach the port
     llm.api_key = secrets.token_urlsafe(32)
     server["episodes"][eid] = llm
     llm.base_url = f"http://127.0.0.1:{server['port']}/ep/{eid}/v1"
     llm.model = server["model"]
-    llm.segs = []  # the episode's segments (see segments)
-    llm.lock = asyncio.Lock()  # one call of the episode at a time
-    llm.counts = {"tool_calls": 0, "malformed_tool_calls": 0}
     return llm
 
 
 def segments(llm, result) -> list:
-    """After a chat agent returned `result` (a reward, or {"reward": r, "info": {...}}): its episodes, one per
-    segment with sampled tokens, each as (Episode, its engine calls) for rollout.check_tokens."""
+    """A chat agent's `result` (a reward, or {"reward", "info"}) -> (Episode, its engine calls) for each segment."""
     reward, info = (result.get("reward"), result.get("info", {})) if isinstance(result, dict) else (result, {})
     if not isinstance(reward, (int, float)):
         raise TypeError(f"a chat agent returns a float or a dict with 'reward', got {type(result).__name__}")
@@ -115,7 +109,6 @@ async def _sample(server, llm, body, text, ids=None, images=()):
     stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise _error("stop must be a string or a list of non-empty strings", "stop")
-    # the longest segment the prompt extends (as text, or as ids); its ids stay, only the rest is tokenized
     prompt, kind = (text, "text") if ids is None else (ids, "ids")
     seg = max((s for s in llm.segs
                if prompt[:len(s[kind])] == s[kind] and all(map(torch.equal, s["ep"].images, images))),
@@ -176,8 +169,7 @@ async def _chat(server, llm, body):
 
 
 async def _complete(server, llm, body):
-    """A completion of one prompt, text or token ids. Its text is what was sampled, special tokens included, and
-    token_ids the ids: prompt + either is the record, so a next prompt that starts with it continues the segment."""
+    """A completion of one prompt (text or token ids): the text sampled, special tokens included, and its token_ids."""
     p, n = body.get("prompt"), len(server["tok"])
     if not (isinstance(p, str) and p or isinstance(p, list) and p and all(type(i) is int and 0 <= i < n for i in p)):
         raise _error(f"prompt must be a non-empty string or list of token ids in [0, {n}), one prompt", "prompt")

@@ -1,7 +1,5 @@
-"""engine.py: the embedded torch engine (continuous batching over a slot KV cache) and sampling. Every generated
-token comes back with its logprob under the distribution it was sampled from, the version of the weights that
-sampled it and, for MoE, its experts. Weights live in shared memory: the trainer copies new ones in under a lock and
-bumps the version; the engine sees them between steps."""
+"""engine.py: the embedded torch engine and sampling. Every generated token comes back with its logprob under the
+distribution it was sampled from, the version of the weights that sampled it and, for MoE, its experts."""
 import asyncio
 import contextlib
 import dataclasses
@@ -32,8 +30,8 @@ def filtered_logp(logits, *, temperature, top_k=0, top_p=1.0):
 
 
 def uniform(keys):
-    """keys (B, n) ints -> (B,) float64 in [0, 1): splitmix64 (Steele et al. 2014) folded over each row, counter-based:
-    a draw depends on (seed, episode, call, position) only, not batch or timing: a resumed episode resamples alike."""
+    """keys (B, n) ints -> (B,) float64 in [0, 1): splitmix64 (Steele et al. 2014) over each row, a pure function of
+    (seed, episode, call, position), not of batch or timing: a resumed episode resamples alike."""
     h = np.zeros(len(keys), dtype=np.uint64)
     for col in np.asarray(keys, dtype=np.int64).astype(np.uint64).T:  # numpy: uint64 arithmetic wraps, and is fast
         h = (h ^ col) + np.uint64(0x9E3779B97F4A7C15)
@@ -134,9 +132,8 @@ class TorchEngine:
 
     @torch.inference_mode()  # not no_grad: it also skips autograd's view and version tracking
     def _forward(self, rows, chunks, start, prefill=False, logits=True):
-        """-> logits (B, V) at each row's last chunk token. prefill: the chunks hold every placeholder, so images go
-        in. Groups of at most `chunk_tokens` padded tokens, logits only at the last position ((B, T, V) would not
-        fit), tensors built per group, not per row: small tensors cost more than the decode step's compute."""
+        """-> logits (B, V) at each row's last chunk token (prefill: images go in). Forwards of at most `chunk_tokens`
+        padded tokens, logits only where needed, tensors built per group, not per row (small tensors cost more)."""
         out = []  # (b, V) of each group
         dev = self.cache.k.device
         i = 0  # the group's first row
@@ -163,10 +160,8 @@ class TorchEngine:
         return torch.cat(out) if logits else None
 
     def step(self):
-        """One engine iteration -> the number of rows that got a token. Continuous batching: requests that arrived
-        since the last step take the free KV-cache slots and are prefilled (their whole prompt, one token sampled);
-        then every other active row decodes one token. Weights change only here, between forwards, under the lock
-        the trainer's publish takes, so each token's recorded version is the weights that sampled it."""
+        """One iteration -> the rows that got a token: new requests take free slots and are prefilled, the others
+        decode one token. Weights change only here, under the publish lock: a token's version sampled it."""
         with self.lock:  # the trainer cannot swap weights in the middle of a forward
             if self.shared_version is not None and self.shared_version.value != self.version:
                 self.set_weights(self.source or {}, self.shared_version.value)

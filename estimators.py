@@ -77,9 +77,8 @@ def batch_mean(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def distill_advantage(*, teacher_logp: Tensor, old_logp: Tensor, loss_mask: Tensor) -> Tensor:
-    """On-policy distillation (Agarwal et al. 2024, https://arxiv.org/abs/2306.13649; Thinking Machines 2025,
-    https://thinkingmachines.ai/blog/on-policy-distillation): each sampled token's advantage is log pi_teacher - log
-    pi_student [B, T], 0 off the mask: the gradient descends the per-token reverse KL. Not in ADVANTAGES; opd adds."""
+    """On-policy distillation (https://arxiv.org/abs/2306.13649; thinkingmachines.ai/blog/on-policy-distillation): a
+    sampled token's advantage log pi_teacher - log pi_student [B, T], 0 off the mask: descends the reverse KL."""
     return (teacher_logp - old_logp) * loss_mask
 
 
@@ -217,8 +216,7 @@ KL = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
 def entropy(*, logits: Tensor) -> Tensor:
-    """Entropy of the full next-token distribution, [B, T, V] -> [B, T], in fp32 via log_softmax so a
-    large logit cannot overflow. Differentiable, for logging or an entropy bonus. Unmasked."""
+    """Entropy of the next-token distribution, [B, T, V] -> [B, T], fp32 via log_softmax (no overflow). Unmasked."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]; a [B, T, V] fp32 copy, chunk if big
     return -(logp.exp() * logp).sum(-1)  # exp underflows to exactly 0 where logp is very negative
 
@@ -261,9 +259,9 @@ AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_
 
 # ---- evaluation ----
 def pass_at_k(*, passed: Tensor, k: int) -> Tensor:
-    """passed [P, n] bool (n samples per prompt, k <= n) -> [P] float64: the unbiased estimator of pass@k of Chen et
-    al. 2021 (https://arxiv.org/abs/2107.03374), 1 - C(n - c, k) / C(n, k) for c passing samples: the chance that k
-    of the n, drawn without replacement, hold a pass. The ratio is the paper's product over i in n-c+1..n of 1 - k/i."""
+    """passed [P, n] bool (n samples per prompt, k <= n) -> [P] float64: the unbiased estimator of pass@k of Chen et al.
+    2021 (https://arxiv.org/abs/2107.03374), 1 - C(n - c, k) / C(n, k) for c passing samples: the chance that k of the
+    n, drawn without replacement, hold a pass. The ratio is the paper's product over i in n-c+1..n of 1 - k/i."""
     n, c = passed.shape[-1], passed.sum(-1, keepdim=True)  # c [P, 1]
     i = torch.arange(1, n + 1, dtype=torch.float64)  # [n]
     return 1 - torch.where(i > n - c, 1 - k / i, 1.0).prod(-1)

@@ -191,12 +191,10 @@ class LoRALinear(nn.Module):
 
 
 def add_lora(model, rank, scale, targets):
-    """Each linear layer whose last name is in targets -> LoRALinear. MoE experts (stacked weights) and lm_head
-    (tied to the embeddings in small models) are never targets; a target that names no layer is an error."""
+    """Each linear layer whose last name is in targets -> LoRALinear (never MoE experts, lm_head); none named: error."""
     for name, m in list(model.named_modules()):
-        parent, _, leaf = name.rpartition(".")
-        if type(m) is nn.Linear and leaf in targets and name != "lm_head":
-            setattr(model.get_submodule(parent), leaf, LoRALinear(m, rank, scale))
+        if type(m) is nn.Linear and name.rpartition(".")[2] in targets and name != "lm_head":
+            model.set_submodule(name, LoRALinear(m, rank, scale))
     if missing := set(targets) - {n.rpartition(".")[2] for n, m in model.named_modules() if type(m) is LoRALinear}:
         raise ValueError(f"config: lora_targets {sorted(missing)}: no such linear layer (MoE experts, lm_head: never)")
     return model
@@ -285,8 +283,7 @@ class KVCache:
         layer i's k, v (B, nkv, T, hd) in and returns the slots' keys and values (B, nkv, n_keys, hd)."""
         nkv, max_len, hd = self.k.shape[2:]
         n_keys = int(positions.max()) + 1
-        # row of each (slot, head, position) in a layer's (S * nkv * max_len, hd) view: a write is one
-        # index_copy_, its index computed once for all layers (not advanced indexing in each layer)
+        # row of each (slot, head, position) in a layer's (S * nkv * max_len, hd) view: one index_copy_ a write
         heads = torch.arange(nkv, device=slots.device)[:, None]
         at = ((slots[:, None, None] * nkv + heads) * max_len + positions[:, None]).flatten()  # (B * nkv * T,)
         # slots first, first+1, ... (the engine's rows when all slots are busy): read them as a view, no copy
@@ -344,9 +341,8 @@ class Transformer(nn.Module):
         prompt, then each episode's rest); padding as -1 is invisible (left or right). routing: experts to replay.
         cache/slots: KVCache and each row's slot (B,); tokens go at their positions, see all at or before in their slot.
         images: (C, H, W) floats in [0, 1], in row-major order of their placeholders (ModelConfig.grid's h * w each).
-        rope_shift (B,): added to positions (the M-RoPE offset of images before them: the engine's decode).
-        logits_at (B, T) bool: only these positions' logits, as (n, vocab) (a trainer needs few of them).
-        aux_mask (B, T) bool: the positions the MoE load-balancing loss (self.aux_loss) counts."""
+        rope_shift (B,): added to positions (the engine's decode: images' M-RoPE offset). logits_at (B, T) bool: only
+        these positions' logits, as (n, vocab). aux_mask (B, T) bool: where aux_loss (load balancing) counts."""
         mc, (B, T) = self.config, ids.shape
         positions = torch.arange(T, device=ids.device).expand(B, T) if positions is None else positions
         x = self.model.embed_tokens(ids)  # (B, T, C)
@@ -483,8 +479,7 @@ def save_pretrained(path, mc: ModelConfig, sd, hf_config=None):
 
 
 def convert_gguf(gguf_path, out_dir=None):
-    """GGUF file -> out_dir (default: its path + ".hf"; reused when there), a plain Hugging Face directory with fp32
-    weights dequantized by transformers' own GGUF loader (which needs the gguf and accelerate packages)."""
+    """GGUF file -> out_dir (its path + ".hf"; reused), fp32 HF weights by transformers (needs gguf, accelerate)."""
     out_dir = out_dir or gguf_path + ".hf"
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir
@@ -492,8 +487,7 @@ def convert_gguf(gguf_path, out_dir=None):
     print(f"converting {gguf_path} to {out_dir} (once: later runs reuse it)", flush=True)
     folder, name = os.path.split(os.path.abspath(gguf_path))
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # transformers refuses to save a model it marks quantized: its config minus the quantization, plus the
-    # architecture (a GGUF-derived config has none), is a plain checkpoint's, bos/eos ids kept
+    # transformers refuses to save a model it marks quantized: its config minus that, plus the architecture
     hf_config = {k: v for k, v in hf.config.to_dict().items() if k != "quantization_config"}
     hf_config["architectures"] = [type(hf).__name__]
     mc = ModelConfig.from_hf(hf_config, gguf_path)  # an unsupported model fails here, before anything is written

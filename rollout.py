@@ -1,6 +1,5 @@
-"""rollout.py: the rollout process. It runs agents against an engine (engine.py, or servers.py's), checks each
-episode against what the engine was given and returned (check_tokens), and hands finished groups to the trainer over
-a bounded shared-memory queue; held-out evaluation runs here too, outside training's queue."""
+"""rollout.py: the rollout process. Agents run against an engine (engine.py, servers.py's), each episode is checked
+(check_tokens), finished groups go to the trainer over a bounded queue; held-out evaluation runs here too."""
 import asyncio
 import contextlib
 import ctypes
@@ -30,8 +29,7 @@ from servers import ServerEngine, ServerError, log_tail, start_server, stop_serv
 
 
 class Policy:
-    """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`. One per episode: it keeps
-    what the engine was given and returned, to check the episode against (token identity)."""
+    """What an agent sees as `llm`: a tokenizer and `await llm.generate(ids)`; one per episode, its calls recorded."""
     def __init__(self, engine, tokenizer, episode=None, sampling=None):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -40,23 +38,22 @@ class Policy:
         self.full = False  # the engine had no room for a call (ContextFull)
         self.sampling = sampling or {}  # an evaluation's temperature, top_p, max_new_tokens; {}: the run's
         self.keys = itertools.repeat(None) if episode is None else zip(itertools.repeat(episode), itertools.count())
-        # endpoint.attach sets these: the chat endpoint's address and key, and the episode's record there
+        # endpoint.attach sets the chat endpoint's address and key; the episode's record there follows
         self.api_key = None
         self.model = None
         self.base_url = None
         self.segs = []  # {"ep", "ids", "calls", "text"} for each segment of the conversation
-        self.lock = None  # one call of the episode at a time
-        self.counts = {}  # tool calls, well-formed and malformed
+        self.lock = asyncio.Lock()  # one call of the episode at a time
+        self.counts = {"tool_calls": 0, "malformed_tool_calls": 0}  # tool calls, well-formed and malformed
 
     async def generate(self, ids, max_new_tokens=None, images=None):
         """images: a list of (C, H, W) tensors in [0, 1], one per run of placeholders in ids, in order."""
         if self.closed:  # the episode timed out: an agent that swallowed its cancellation gets no more tokens
             raise RuntimeError("this episode has timed out; its policy is closed")
         images = check_images(ids, images, getattr(self.engine, "c", None))  # bad input fails here, in the agent
-        sampling = dict(self.sampling)
-        default_limit = sampling.pop("max_new_tokens", None)  # an evaluation's: the agent's own limit wins
-        if max_new_tokens is None:
-            max_new_tokens = default_limit
+        sampling = {k: v for k, v in self.sampling.items() if k != "max_new_tokens"}
+        if max_new_tokens is None:  # an evaluation's limit; the agent's own wins
+            max_new_tokens = self.sampling.get("max_new_tokens")
         try:
             completion = await self.engine.generate(ids, max_new_tokens, images=images, key=next(self.keys),
                                                     sampling=sampling)
@@ -68,8 +65,7 @@ class Policy:
 
 
 def check_images(ids, images, mc):
-    """-> the images as a list of float (C, H, W), or None. mc: the engine's ModelConfig (None: it takes no images). A
-    ValueError for images without a vision tower, of a wrong shape or range, or not matching the placeholders."""
+    """-> the images as float (C, H, W), or None; ValueError if bad. mc: the engine's ModelConfig (None: text)"""
     images = list(images if images is not None else [])
     if mc is None or not mc.vision:
         if images:
@@ -141,8 +137,7 @@ def truncated_episode(calls):
 
 
 def episode_to_msg(ep, index, group, record):
-    """An episode as named tensors (the queue moves them to shared memory, a group at a time: `pack`). record:
-    check_tokens' (logprobs, versions, routing, engine_ids); the group is the rollout's, never the agent's."""
+    """An episode as named tensors; record: check_tokens'; the group is the rollout's, never the agent's."""
     logprobs, versions, routing, engine_ids = record
     return {"ids": torch.tensor(ep.ids), "loss_mask": torch.tensor(ep.loss_mask), "versions": torch.tensor(versions),
             "logprobs": torch.tensor(logprobs, dtype=torch.float32), "routing": routing,  # (T, n_moe, k) or None
@@ -152,8 +147,7 @@ def episode_to_msg(ep, index, group, record):
 
 
 def dump_row(msg, tokenizer):
-    """An episode message as a row of a dump (what tools/view.py shows): its text, and per token its id, text, loss
-    mask, the engine's logprob and the policy version that sampled it (-1: not sampled)."""
+    """An episode message as a row of a dump (what tools/view.py shows): its text, and each token's own fields."""
     ids = msg["ids"].tolist()
     return {"group": msg["group"], "reward": msg["reward"], "info": msg["info"], "text": tokenizer.decode(ids),
             "ids": ids, "pieces": tokenizer.batch_decode([[t] for t in ids]), "mask": msg["loss_mask"].tolist(),
@@ -164,8 +158,7 @@ PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids")  
 
 
 def pack(group):
-    """A group's messages -> one queue item, tensor fields concatenated over the episodes as numpy arrays: pickled by
-    value (each shared-memory tensor would pass a file descriptor over a socket); images as arrays."""
+    """A group's messages -> one queue item: tensors concatenated as numpy arrays, pickled by value (not as fds)."""
     item = {"msgs": [{k: [im.numpy() for im in v] if k == "images" else v for k, v in m.items() if k not in PACKED}
                      for m in group]}
     for k in PACKED:
@@ -232,9 +225,8 @@ KNOBS = ("seed", "group_size", "guess_max", "max_turns", "tool_timeout", "tool_m
 
 
 def eval_tasks(cfg):
-    """The held-out tasks, eval_samples per prompt, at indices -1, -2, ... (the trainer refuses any). make_task seeds
-    group g with seed * 1_000_003 + g; prompt p is group 2**40 + p, which training (groups 0, 1, ...) never reaches
-    (negative groups would: Random(-n) is Random(n)). A task of few prompts (guess: 5 secrets) repeats some anyway."""
+    """The held-out tasks, eval_samples per prompt, at indices -1, -2, ... (the trainer refuses any). Prompt p is group
+    2**40 + p, never reached by training (negative groups would be: Random(-n) is Random(n))."""
     K = cfg.eval_samples
     knobs = {k: getattr(cfg, k) for k in KNOBS} | dict(group_size=1, task_file=cfg.eval_file)
     return [agent_mod.make_task(cfg.eval_task or cfg.task, 2**40 + j // K, **knobs) | {"index": -1 - j,
@@ -242,8 +234,7 @@ def eval_tasks(cfg):
 
 
 async def evaluate(cfg, episode, tokenizer, version, out):
-    """Weights `version` on eval_tasks, beside training's agents but outside its window and queue: the episodes to
-    <out_dir>/eval/step_<version>.jsonl, the eval/ metrics to `out`. A failed episode is counted and scores 0."""
+    """Weights `version` on eval_tasks, outside training's window and queue -> eval/step_<version>.jsonl and `out`."""
     t0 = time.perf_counter()
     tasks = eval_tasks(cfg)
     K = cfg.eval_samples
@@ -306,11 +297,9 @@ async def run_episode(cfg, engine, tokenizer, server, vocab_size, task, index, r
 
 
 async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, state=None, evals=None):
-    """Run agents; queue each group whole once all its episodes ended (its advantages compare the whole group).
-    Staleness bound: a group starts only while fewer groups are live (started, not all failed) than (version + 1 +
-    max_staleness) * prompts_per_step + dropped; max_staleness=0 is synchronous RL. state: a checkpoint's COUNTS
-    (deterministic: and index, base). deterministic: once all admitted have ended, {"idle": (version, dropped),
-    "state"} follows the groups in the queue (Rollout.settle). evals: (the version to evaluate, its metrics' queue)."""
+    """Run agents; queue each group whole once all its episodes ended; a group starts only while fewer are live than
+    (version + 1 + max_staleness) * prompts_per_step + dropped. state: a checkpoint's COUNTS (deterministic: and index,
+    base); deterministic: {"idle", "state"} follows once all admitted ended. evals: (version, metrics' queue)."""
     G = cfg.group_size
     P = cfg.prompts_per_step
     run = agent_mod.load_agent(cfg.task)
@@ -388,9 +377,8 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, state=None, dropped=0):
     """Rank 0: the rollout process, and the servers unless server_urls names them (state, dropped: a checkpoint's)."""
     ctx = mp.get_context("spawn")
-    shared = None  # the weights the engine reads (torch) or the rollout process broadcasts (sglang in memory)
-    if cfg.weights_in_memory:
-        shared = {k: v.clone().share_memory_() for k, v in weights.items()}
+    # the weights the engine reads (torch) or the rollout process broadcasts (sglang in memory)
+    shared = {k: v.clone().share_memory_() for k, v in weights.items()} if cfg.weights_in_memory else None
     write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
     procs = []  # the servers started here: [(process, log path)]
     servers = None  # [(url, log path or None)]; None: the torch engine
@@ -426,8 +414,7 @@ class Rollout:
         self.died = None  # why the rollout process (or a server) died: every wait then returns, the trainer stops
 
     def get(self, timeout=1.0, stop=lambda: None):
-        """Next group: a list of episode messages, or None after `timeout` seconds without one, or once the rollout
-        died (`died`). deterministic: the settled groups, in data order (None: stop())."""
+        """Next group (its messages), or None after `timeout` s or once `died`; deterministic: settled groups."""
         if self.deterministic and not self.held:
             self.settle(stop)  # nothing held after a stop: None
         if self.held or self.deterministic:  # deterministic: the settled groups only
@@ -437,8 +424,7 @@ class Rollout:
 
     def settle(self, stop=lambda: None):
         """deterministic: wait for the rollout to report that all the published version admitted has ended, every
-        drop seen; hold the groups before the report, in data order -> its state then (resume: it and `held`); None
-        once stop() is true (a signal: episodes may run up to episode_timeout, longer than a preemption's grace)."""
+        drop seen; hold the groups before the report, in data order -> its state then; None once stop() is true."""
         while self.idle is None or self.idle["idle"] != (self.link.version.value, self.link.dropped.value):
             if stop() or self.died:
                 return None
@@ -455,8 +441,7 @@ class Rollout:
         self.link.evals[0].value = version
 
     def eval_result(self, stop=lambda: None):
-        """-> the eval/ metrics asked for last ({} once stop() is true or the rollout died); waits: the next publish
-        must not come before they are sampled."""
+        """-> the eval/ metrics asked for last, waited for (the next publish must not come first); {} once stop()."""
         metrics = None
         while metrics is None and not (stop() or self.died):
             metrics = self._next(1.0, self.link.evals[1])
@@ -483,8 +468,7 @@ class Rollout:
             self.died = f"rollout process died (exit code {self.proc.exitcode}); its traceback is above"
 
     def publish(self, state, version):
-        """Hand new weights to the engine as `version`: copied into its shared tensors (torch; sglang in
-        memory: the rollout process broadcasts them), or written as a directory the servers load (disk)."""
+        """Hand new weights to the engine as `version`: into its shared tensors, or as a directory the servers load."""
         if self.write is not None:
             self.write(version, state)
             self.link.version.value = version

@@ -142,9 +142,8 @@ def shard(model, cfg, device):
 
 def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, critic=False):
     """The policy (frozen: a reference or teacher) from a HF directory. FSDP: built on the meta device, sharded; rank 0
-    reads the file, the others receive their shards (no rank holds a second full copy). float32 master weights; `dtype`
-    computes. LoRA: adapters on a frozen base, sharded with it; `adapters`: a resumed run's (rank 0; critic: weights).
-    critic: a value model, lm_head -> a scalar head (0 at first) on the final normed hidden state, all trained."""
+    reads the file, the others receive their shards. float32 master weights; `dtype` computes. LoRA: adapters on a
+    frozen base; `adapters`: a resumed run's (rank 0; critic: weights). critic: a value model, lm_head a scalar head."""
     targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen and not critic else []  # none: no change
 
     def adapt(net):
@@ -173,8 +172,7 @@ def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, crit
 
 
 def collate(msgs, device, image_token=-1):
-    """Episode messages -> dict of (B, T) tensors, right-padded; routing (L, B, T, k), -1 padded; images, row order.
-    "packed": the forward's rows, where a group's episodes share their prompt (packed_rows)."""
+    """Episode messages -> dict of (B, T) tensors, right-padded, routing (L, B, T, k); "packed": packed_rows'."""
     for m in msgs:  # token identity: we train what was sampled
         if not torch.equal(m["ids"][m["loss_mask"].bool()], m["engine_ids"]):
             raise AssertionError(f"episode {m['index']}: trained token ids differ from the engine's sampled ids")
@@ -226,9 +224,8 @@ EMPTY = {"ids": torch.zeros(2, dtype=torch.long), "loss_mask": torch.zeros(2), "
 
 
 def split_batch(msgs, advantages, world, budget):
-    """The episodes of one update -> per rank, micro-batches of (msg, advantage) pairs: sorted by length, a group's
-    together (packed_rows), dealt in turn (similar work per rank, little padding), each at most `budget` padded tokens
-    (or one episode). Every rank gets as many micro-batches (some maybe empty): FSDP's collectives pair up."""
+    """One update's episodes -> per rank, micro-batches of (msg, advantage) pairs: by length, a group's together, dealt
+    in turn, each <= `budget` padded tokens (or one episode); as many on every rank (some empty): collectives pair."""
     pairs = sorted(zip(msgs, advantages), key=lambda p: -len(p[0]["ids"]))
     first = {m["group"]: i for i, (m, _) in reversed(list(enumerate(pairs)))}  # where each group's longest is
     pairs.sort(key=lambda p: first[p[0]["group"]])  # stable: each group's longest first
@@ -244,8 +241,7 @@ def split_batch(msgs, advantages, world, budget):
 
 
 def make_shares(msgs, advantages, world, cfg):
-    """The batch -> each rank's share (every rank deals the same): per update (mini-batch, in data order), its
-    micro-batches and the mini-batch's token and episode counts (what the aggregation divides by)."""
+    """The batch -> each rank's share: per update (mini-batch, data order), micro-batches, token and episode counts"""
     parts = torch.arange(len(msgs)).tensor_split(min(cfg.mini_batches, len(msgs)))  # none empty, sizes within one
     minis = [([msgs[i] for i in p.tolist()], [advantages[i] for i in p.tolist()]) for p in parts]
     counts = [(float(sum(m["loss_mask"].sum() for m in ms)), float(len(ms))) for ms, _ in minis]
@@ -254,9 +250,8 @@ def make_shares(msgs, advantages, world, cfg):
 
 
 def advantages(cfg, msgs):
-    """-> (len(msgs),) one per message. A chat episode re-rendered into segments is several messages with one index:
-    it counts once in its group's baseline, and each segment gets its episode's advantage (opd: GRPO's, weighted;
-    gae: the reward itself, made per-token advantages in train_step, where the critic is)."""
+    """-> (len(msgs),) one per message; a chat episode's segments (one index) count once in the group's baseline and
+    share its advantage (opd: GRPO's, weighted; gae: the reward itself, made per-token in train_step, by the critic)."""
     if cfg.advantage == "gae":
         return torch.tensor([float(m["reward"]) for m in msgs])
     episodes, of = torch.unique(torch.tensor([m["index"] for m in msgs]), return_inverse=True)  # of: (len(msgs),)
@@ -334,8 +329,7 @@ CONSISTENCY_KEYS = ["tokens", "mm_abs", "mm_kl", "mm_tokens", "stale_sum", "ret"
 
 
 def consistency(b, old_logp, version, max_staleness):
-    """Staleness of every trained token and the trainer-vs-engine mismatch on the tokens the current weights
-    sampled, before any update. -> CONSISTENCY_KEYS + staleness histogram as one float64 vector"""
+    """Staleness and trainer-vs-engine mismatch (on the current weights' tokens) -> CONSISTENCY_KEYS + histogram"""
     sel = b["loss_mask"][:, 1:].bool()  # (B, T-1): token t, predicted at t-1
     versions, rollout_logp = b["versions"][:, 1:], b["rollout_logp"][:, 1:]  # (B, T-1) each, as sel
     stale, fresh = (version - versions)[sel], sel & (versions == version)
@@ -348,9 +342,8 @@ def consistency(b, old_logp, version, max_staleness):
 
 
 def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, critic=None):
-    """This rank's share of a step: recompute, then ppo_epochs x mini-batch updates. share: from make_shares.
-    critic: (value model, its optimizer), trained beside the policy, with gae (whose "advantages" are the rewards).
-    -> (this rank's summed metrics, LOSS_KEYS + CONSISTENCY_KEYS + histogram; gradient norms)"""
+    """This rank's share (make_shares) of a step: recompute, then ppo_epochs x mini-batch updates. critic: gae's (value
+    model, its optimizer). -> (this rank's summed metrics: LOSS_KEYS + CONSISTENCY_KEYS + histogram; gradient norms)"""
     device = torch.device("cuda") if cfg.cpu_offload else next(model.parameters()).device  # offload: on CPU
     batches = [[(collate([m for m, _ in mb] or [EMPTY], device, model.config.image_token_id),
                  torch.tensor([a for _, a in mb] or [0.]).to(device)) for mb in mini] for mini in share["mini_batches"]]
@@ -358,16 +351,14 @@ def train_step(model, opt, share, cfg, version, world, ref=None, teacher=None, c
     value_net, copt = critic or (None, None)
     with torch.no_grad():  # ---- recompute: what the batch is scored against, before any update ----
         for b, adv in (x for mini in batches for x in mini):
-            # Teacher and reference route by themselves: a teacher of another shape cannot take the sampler's experts,
-            # one of the same shape would not pick them; the KL's anchor is the initial router's choice.
+            # teacher and reference route by themselves: not the sampler's experts (the KL's anchor: the initial router)
             for key, frozen in (("ref_logp", ref), ("teacher_logp", teacher)):
                 if frozen is not None:
                     b[key] = token_logp(frozen, b | {"routing": None}, cfg, filtered=False)[1]
             if several:  # pi_old for every mini-batch now; a single update takes it from its own forward
                 b["old_logp"] = token_logp(model, b, cfg)[1]
             if value_net is not None:  # values by the critic of now: a stale episode is valued afresh (async is fine)
-                # A message is a chain, the reward at its last sampled token: each segment of a chat episode (histories
-                # re-rendered, maybe branching) ends with the episode's reward, a truncated episode with its agent's.
+                # the reward at each message's last sampled token (a chat episode's segments: each ends with the reward)
                 mask = b["loss_mask"][:, 1:]
                 last = torch.nn.functional.one_hot(mask.cumsum(1).argmax(1), mask.shape[1]) * mask  # (B, T-1)
                 b["old_values"] = values(value_net, b)
@@ -415,9 +406,8 @@ def reduce_metrics(vec, world):
 
 
 def step_metrics(step, msgs, s, hist, norms, times, counters, stats, rollout_rate, gae=False):
-    """The metrics.jsonl line of a step. s: the reduced sums; times: {"step", "wait_rollout", "train", ...}.
-    reward/ and episode/ are means over episodes: a chat episode's segments (one message each) count once.
-    gae: critic/explained_variance, 1 - Var(return - value) / Var(return) on trained tokens, values before updates."""
+    """The metrics.jsonl line of a step (s: the reduced sums). reward/ and episode/ average over episodes (a chat
+    episode's segments count once); gae: critic/explained_variance = 1 - Var(return - value) / Var(return)."""
     episodes = list({m["index"]: m for m in msgs}.values())
     rewards = torch.tensor([m["reward"] for m in episodes])
     tok, n = max(s["tokens"], 1), len(norms)  # the means' denominators: trained tokens, updates
@@ -475,8 +465,7 @@ def save_checkpoint(cfg, model, opt, state, tokenizer_dir, rank, fsdp, critic=No
 
 
 def load_trainer_state(saved, model, opt, critic=None):
-    """saved: trainer.pt's dict, empty or None for a fresh start -> all but the weights (step, data position, counters);
-    restores opt and rng (and the critic's optimizer; build_model restored its weights)."""
+    """saved: trainer.pt's dict (empty or None: a fresh start) -> all but the weights; restores optimizers and rng."""
     counters = dict.fromkeys(["dropped_stale", "filtered_groups", "bad_steps", "skipped_steps"], 0)
     state = {"step": 0, "data_position": 0, "rollout_counts": None} | (saved or {})
     if saved:
@@ -507,8 +496,7 @@ def check_out_dir(cfg):
 
 
 class Logger:
-    """Each metrics line to <out_dir>/metrics.jsonl (eval_only: eval/metrics.jsonl) and, with wandb_project, to a W&B
-    run (a resume continues it: checkpoints carry its id); one console line each: progress, reward, eval, speed, ETA."""
+    """Each metrics line to <out_dir>/metrics.jsonl (eval_only: eval/), to W&B (wandb_project), to the console."""
     def __init__(self, cfg, step, state):
         self.cfg = cfg
         self.start, self.t0 = step, time.perf_counter()  # where and when this process began: its rate
@@ -520,8 +508,7 @@ class Logger:
         open(os.path.join(os.path.dirname(self.path), "config.json"), "w").write(json.dumps(vars(cfg), indent=2))
         if cfg.wandb_project:
             import wandb
-            # resumed: W&B drops steps below a run's latest, so the run rewinds to the checkpoint's step, and the
-            # steps trained after it (before a crash) are logged anew
+            # resumed: W&B drops steps below a run's latest: rewind to the checkpoint's step, log the later ones anew
             rewind = {"resume_from": f"{state['wandb_id']}?_step={step}"} if "wandb_id" in state else {}
             run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run or None, config=vars(cfg), dir=cfg.out_dir,
                              **rewind)
@@ -550,8 +537,7 @@ class Logger:
 
 
 def log_pending(logger, ro, pending):
-    """Log the line held for its evaluation (pending: [] or [line]) with its eval/ metrics, waiting for them unless
-    the run is stopping (a signal past stop_grace, or the rollout died: then without them)."""
+    """Log the line held for its evaluation (pending: [] or [line]) with its eval/ metrics (Rollout.eval_result's)."""
     while pending:
         logger.log(pending.pop() | ro.eval_result(stop=past_grace))
 
@@ -618,8 +604,7 @@ def take_batch(cfg, ro, version, counters):
 
 def next_batch(cfg, ro, step, counters, rank, world):
     """Rank 0 takes the batch and sends it to every rank, packed, with one decision to stop (a signal may reach the
-    ranks at different times) -> (msgs, wait s, stop: None, the signal's name, or "error: ..."). The rollout
-    dying in any wait of a step ends the next take_batch: the step is logged and checkpointed first."""
+    ranks at different times) -> (msgs, wait s, stop: None, the signal's name, or "error: ...")."""
     msgs, wait = None, 0.0  # take_batch's (rank 0 alone has msgs)
     stop = STOP["signal"]
     if rank == 0 and stop is None:
@@ -639,15 +624,13 @@ def next_batch(cfg, ro, step, counters, rank, world):
 
 
 def cpu_threads(cfg):
-    """Each trainer rank's torch threads on CPU: cpu_threads, or an equal share of this node's cores among its ranks
-    and the rollout process (torchrun's LOCAL_WORLD_SIZE: the ranks on this node, not in the whole run)."""
+    """A trainer rank's torch threads on CPU: cpu_threads, or a share of this node's cores (its ranks', rollout's)."""
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return cfg.cpu_threads or max(1, (os.cpu_count() or 1) // (ranks_here + 1))
 
 
 def main(argv=None):
-    """The run, each step as the module docstring says, by this trainer (one per rank under torchrun) and, beside
-    rank 0, the rollout process. A signal, or the rollout process dying, ends the loop at a step's end, checkpointed."""
+    """The run, step by step as the module docstring says; a signal or a dead rollout ends it, checkpointed."""
     cfg = config.load(argv)
     STOP["grace"] = cfg.stop_grace
     for sig in (signal.SIGTERM, signal.SIGINT):
