@@ -457,3 +457,47 @@ def test_pack_unpack_round_trip_with_missing_fields():
         for k in a:
             assert (b[k] is None) if a[k] is None else torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else \
                 all(map(torch.equal, a[k], b[k])) and len(a[k]) == len(b[k]) if k == "images" else a[k] == b[k]
+
+
+COUNTING_AGENT = """
+import agent
+async def run(task, llm):
+    print(task["index"], file=open(LOG, "a"), flush=True)  # started
+    return await agent.load_agent("arith")(task, llm)
+"""
+
+
+def test_the_rollout_admits_exactly_the_groups_the_staleness_window_allows(tok, tmp_path):
+    """A group starts only while the groups started (less those that failed whole) are fewer than (version + 1 +
+    max_staleness) * prompts_per_step + dropped: the trainer's staleness bound then holds without dropping anything.
+    Counted at the source: which episodes the rollout started, as the window moves (a drop, a new version)."""
+    log = tmp_path / "started.txt"
+    (tmp_path / "counting.py").write_text(f"LOG = {str(log)!r}\n" + COUNTING_AGENT)
+    cfg = config.load([f"--task={tmp_path / 'counting.py'}", "--group_size=2", "--prompts_per_step=2",
+                       "--max_staleness=1"])
+    engine, out, dropped = engine_for(tok, 4), queue.Queue(), Counter()
+
+    def started():
+        return sorted(int(x) for x in log.read_text().split()) if log.exists() else []
+
+    async def settle(n):  # until n episodes started and ended (their groups queued), then a little longer
+        for _ in range(3000):
+            await asyncio.sleep(0.01)
+            if len(started()) >= n and out.qsize() >= n // 2:
+                break
+        await asyncio.sleep(0.5)
+        return started()
+
+    async def main():
+        loop_task = asyncio.create_task(engine.run())
+        prod = asyncio.create_task(produce(cfg, engine, tok, out, dropped, 0, len(tok)))
+        seen = [await settle(8)]  # version 0: (0 + 1 + 1) * 2 groups of 2
+        dropped.value += 1  # the trainer dropped a group: one more may start
+        seen.append(await settle(10))
+        engine.version = 1  # a new version: the window moves by prompts_per_step groups
+        seen.append(await settle(14))
+        prod.cancel()
+        loop_task.cancel()
+        return seen
+    seen = asyncio.run(main())
+    assert seen == [list(range(8)), list(range(10)), list(range(14))]
