@@ -10,8 +10,14 @@ import sys
 from statistics import mean
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from bench import run_train, table  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from bench import run_train  # noqa: E402
+
+
+def table(title, head, rows):
+    print(f"\n{title}\n", " | ".join(head), " | ".join(["---"] * len(head)), *(" | ".join(map(str, r)) for r in rows),
+          sep="\n")
+
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=120)

@@ -35,12 +35,13 @@ open(os.path.join(out, "metrics.jsonl"), "w").write(json.dumps({"env": os.enviro
 
 
 def test_bench_runs_each_job_in_the_callers_environment_not_what_train_py_sets_for_itself(tmp_path):
-    """bench.py imports train (its tiny init), which sets OMP_WAIT_POLICY=PASSIVE for its own process before torch
+    """tools/bench.py imports train (its tiny init), which sets OMP_WAIT_POLICY=PASSIVE for its own process before torch
     loads; a peer (TRL) must not inherit that: under PASSIVE TRL's tiny step took twice as long (issue #32)."""
     (tmp_path / "job.py").write_text(JOB)
     for given in (None, "ACTIVE"):
         env = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
         code = f"import bench; print(bench.run_train([], cmd=({sys.executable!r}, {str(tmp_path / 'job.py')!r})))"
-        p = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        p = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.join(ROOT, "tools"), capture_output=True,
+                           text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
         assert p.stdout.strip().splitlines()[-1] == repr([{"env": given}]), p.stdout
