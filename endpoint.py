@@ -22,7 +22,7 @@ import agent as agent_mod
 
 TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.S)  # the Qwen / Hermes format
 # the engine has no penalties, seed, logprobs, n > 1: a request may set them only to values that change nothing
-FIXED = {"n": 1, "best_of": 1, "stream": False, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
+FIXED = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
          "logit_bias": {}, "logprobs": False, "top_logprobs": 0, "seed": None}
 MAX_PIXELS = 1 << 24  # an image's pixels, as sent and after resizing (Qwen3-VL's processor's longest_edge)
 
@@ -77,19 +77,48 @@ async def _handle(server, fn, request):
         body = await request.json()  # not JSON: a ValueError, a 400 below
         if not isinstance(body, dict):
             raise _error("the body must be a JSON object")
-        # the run's sampling (or an evaluation's): the distribution the trainer assumes; one answer, no extras
-        for key, value in (server["sampling"] | llm.sampling | FIXED).items():
-            if body.get(key) is not None and body[key] != value:
+        # the run's sampling (or an evaluation's) is the distribution the trainer assumes: a harness's own is answered
+        # with it and counted; one answer, no extras
+        sampling = server["sampling"] | llm.sampling
+        for key, value in (sampling | FIXED).items():
+            if body.get(key) is not None and body[key] != value and key in sampling:
+                llm.counts["sampling_overridden"] += 1
+            elif body.get(key) is not None and body[key] != value:
                 raise _error(f"{key}={body[key]!r} is not supported: the run samples with {key}={value!r}", key)
         async with llm.lock:  # one call of an episode at a time: each extends the record it was matched to
             kind, choice, usage = await fn(server, llm, body)
-        return web.json_response({"id": f"nanomolt-{time.monotonic_ns()}", "object": kind, "model": server["model"],
-                                  "created": int(time.time()), "choices": [dict(index=0, **choice)], "usage": usage})
+        head = {"id": f"nanomolt-{time.monotonic_ns()}", "model": server["model"], "created": int(time.time())}
+        if body.get("stream"):
+            return await _stream(request, head, kind, choice, usage, body)
+        return web.json_response(head | {"object": kind, "choices": [dict(index=0, **choice)], "usage": usage})
     except ValueError as e:  # the engine refused it: too long a prompt, a bad id
         code = "context_length_exceeded" if "max_len" in str(e) else None
         raise _error(str(e), code and ("prompt" if fn is _complete else "messages"), code) from None
     except RuntimeError as e:  # not the request's fault: a server failed (the rollout stops), the episode is closed
         raise _error(str(e), http=web.HTTPServiceUnavailable) from None
+
+
+async def _stream(request, head, kind, choice, usage, body):
+    """The answer as server-sent events, as the OpenAI clients parse them: the reply in one chunk once sampled (tool
+    calls as deltas with their index), then the finish reason, the usage if stream_options asks, [DONE]."""
+    if kind == "chat.completion":
+        message = choice["message"]
+        delta = {"role": "assistant", "content": message["content"]}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(message["tool_calls"])]
+        chunks = [{"delta": delta, "finish_reason": None}, {"delta": {}, "finish_reason": choice["finish_reason"]}]
+    else:
+        chunks = [choice | {"finish_reason": None}, {"text": "", "finish_reason": choice["finish_reason"]}]
+    kind = kind.replace("chat.completion", "chat.completion.chunk")
+    events = [head | {"object": kind, "choices": [dict(index=0, **chunk)]} for chunk in chunks]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        events.append(head | {"object": kind, "choices": [], "usage": usage})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for event in events:
+        await response.write(f"data: {json.dumps(event)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    return response
 
 
 def _error(message, param=None, code=None, http=web.HTTPBadRequest):

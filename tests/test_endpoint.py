@@ -100,8 +100,7 @@ def test_refused_parameters_and_bad_requests_are_openai_errors(tok):
     async def bad(client, llm):
         ok = [{"role": "user", "content": "hi"}]
         errors = {}
-        for name, kw in [("temperature", dict(temperature=0.5)), ("top_p", dict(top_p=0.9)),
-                         ("top_k", dict(extra_body={"top_k": 5})), ("messages", dict(messages=[{"content": "x"}])),
+        for name, kw in [("messages", dict(messages=[{"content": "x"}])),
                          ("long", dict(messages=[{"role": "user", "content": "7" * 600}])), ("n", dict(n=2)),
                          ("presence_penalty", dict(presence_penalty=0.5)),
                          ("frequency_penalty", dict(frequency_penalty=1)),
@@ -114,17 +113,22 @@ def test_refused_parameters_and_bad_requests_are_openai_errors(tok):
         neutral = dict(temperature=1.0, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, logprobs=False, n=1,
                        stream=False)
         assert (await client.chat.completions.create(model=llm.model, messages=ok, **neutral)).choices
+        # a harness's own sampling is answered with the run's (the trainer assumes it), and counted
+        own = dict(temperature=0.5, top_p=0.9, extra_body={"top_k": 5})
+        assert (await client.chat.completions.create(model=llm.model, messages=ok, **own)).choices
         other = openai.AsyncOpenAI(base_url=llm.base_url.rsplit("/ep/")[0] + "/ep/nope/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.NotFoundError):
             await other.chat.completions.create(model=llm.model, messages=ok)
         return errors
     llm, errors = chat_episode(dense_engine(tok), tok, bad)
-    for k in ("temperature", "top_p", "top_k", "messages", "n", "presence_penalty", "frequency_penalty", "logit_bias",
-              "seed", "logprobs", "top_logprobs"):
+    for k in ("messages", "n", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "logprobs",
+              "top_logprobs"):
         assert errors[k]["param"] == k and k in errors[k]["message"], errors[k]
     assert errors["long"]["code"] == "context_length_exceeded"
-    [(ep, calls)] = endpoint.segments(llm, 0.0)  # the refused calls left no trace in the record
-    assert len(calls) == 1 and check_tokens(ep, calls) is not None
+    segs = endpoint.segments(llm, 0.0)  # the refused calls left no trace in the record; the two answered ones, a
+    assert [len(calls) for _, calls in segs] == [1, 1]  # segment each (the same prompt twice)
+    assert all(check_tokens(ep, calls) is not None for ep, calls in segs)
+    assert segs[0][0].info["sampling_overridden"] == 3  # temperature, top_p, top_k: the run's were used
 
 
 def test_another_episodes_url_without_its_key_is_refused_and_leaves_no_trace(tok):
@@ -172,7 +176,7 @@ def test_agent_info_may_not_set_the_endpoints_own_keys(tok):
         with pytest.raises(ValueError, match=key):
             endpoint.segments(llm, {"reward": 1.0, "info": {key: 3, "turns": 1}})
     [(ep, _)] = endpoint.segments(llm, {"reward": 1.0, "info": {"turns": 1, "tool_calls": 2}})  # its own counts win
-    assert ep.info == {"turns": 1, "tool_calls": 2, "malformed_tool_calls": 0, "segments": 1}
+    assert ep.info == {"turns": 1, "tool_calls": 2, "malformed_tool_calls": 0, "sampling_overridden": 0, "segments": 1}
 
 
 LONG_CHAT = """
@@ -483,3 +487,45 @@ def test_a_separate_agent_program_is_trained_token_exactly(tok, tmp_path):
     for m in msgs:
         assert torch.equal(m["ids"][m["loss_mask"].bool()], m["engine_ids"])
         assert tok.decode(m["ids"]).count("<|im_start|>assistant") == 2 and "Sure?" in tok.decode(m["ids"])
+
+
+async def streamed_turns(client, llm):
+    """three_turns over server-sent events, the deltas put together as a client does -> (contents, chunks' finish)"""
+    msgs, contents, finishes = [{"role": "user", "content": "Guess my number from 1 to 7."}], [], []
+    for _ in range(3):
+        stream = await client.chat.completions.create(model=llm.model, messages=msgs, stream=True,
+                                                      stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        contents.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+        finishes.append([c.choices[0].finish_reason for c in chunks if c.choices])
+        assert chunks[-1].usage.completion_tokens >= 1 and not chunks[-1].choices  # the usage chunk, last
+        msgs += [{"role": "assistant", "content": contents[-1]}, {"role": "user", "content": "4 is too low"}]
+    return contents, finishes
+
+
+def test_a_streamed_chat_records_exactly_what_an_unstreamed_one_does(tok):
+    llm, (msgs, replies) = chat_episode(dense_engine(tok, 3), tok, three_turns)
+    streamed, (contents, finishes) = chat_episode(dense_engine(tok, 3), tok, streamed_turns)
+    assert contents == [r.choices[0].message.content for r in replies]
+    assert [f[-1] for f in finishes] == [r.choices[0].finish_reason for r in replies]  # on the last chunk only
+    assert all(f[:-1] == [None] * (len(f) - 1) for f in finishes)
+    [(ep, _)], [(ep2, calls2)] = endpoint.segments(llm, 1.0), endpoint.segments(streamed, 1.0)
+    assert ep2.ids == ep.ids and ep2.loss_mask == ep.loss_mask and check_tokens(ep2, calls2) is not None
+
+
+def test_streamed_tool_calls_and_completions_arrive_as_the_clients_parse_them(tok):
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}]
+
+    async def agent(client, llm):
+        stream = await client.chat.completions.create(model=llm.model, stream=True, tools=tools,
+                                                      messages=[{"role": "user", "content": "run it"}])
+        chunks = [c async for c in stream]
+        deltas = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+        text = await client.completions.create(model=llm.model, prompt="1+1=", stream=True)
+        return deltas, chunks[-1].choices[0].finish_reason, "".join([c.choices[0].text async for c in text])
+    llm, (deltas, finish, text) = chat_episode(ScriptEngine(tok, [call, "2<|im_end|>"]), tok, agent)
+    assert finish == "tool_calls" and len(deltas) == 1 and deltas[0].index == 0
+    assert deltas[0].function.name == "python" and json.loads(deltas[0].function.arguments) == {"code": "print(1)"}
+    assert text == "2<|im_end|>"
+    assert llm.counts["tool_calls"] == 1

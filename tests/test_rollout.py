@@ -224,7 +224,7 @@ async def stop_the_rest(timeout=30):
     cleanup also cancels CPython 3.11's own task that connects a new subprocess's pipes (an agent starting its
     program), and that process's wait() then never returns. Those pipe tasks are left to finish."""
     me = asyncio.current_task()
-    while rest := [t for t in asyncio.all_tasks() if t is not me and t.get_coro().__name__ != "_connect_pipes"]:
+    while rest := [t for t in asyncio.all_tasks() if t is not me and getattr(t.get_coro(), "__name__", "") != "_connect_pipes"]:
         for t in rest:
             t.cancel()
         assert not (await asyncio.wait(rest, timeout=timeout))[1], "tasks still running after being cancelled"
