@@ -7,9 +7,10 @@ The task dict says which generator: `rg_task` (a name from `reasoning_gym.factor
 other `seed`s, so other problems. Each group's problem is entry 0 of the generator seeded with the task's `seed`.
 
 The reply's answer is the text of its last <answer>...</answer> tag, which the prompt asks for; a reply without one
-answers with its last non-empty line (a small model rarely writes the tags before it is trained to)."""
+answers with its last number, or its last non-empty line (a small model rarely writes the tags before it is trained)."""
 import functools
 import json
+import re
 
 import reasoning_gym
 from reasoning_gym.utils import extract_answer
@@ -28,10 +29,14 @@ def dataset(name: str, config: str, seed: int):
 
 
 def answer_of(reply: str) -> str:
-    """The last <answer> tag's text; without one, the last non-empty line."""
+    """The last <answer> tag's text; without one, the last number in the reply ("... the answer is 12."), else its
+    last non-empty line."""
     tagged = extract_answer(reply)
     if tagged is not None:
         return tagged
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", reply)
+    if numbers:
+        return numbers[-1]
     lines = [line.strip() for line in reply.splitlines() if line.strip()]
     if not lines:
         return ""

@@ -37,13 +37,14 @@ def test_reasoning_gym_episodes_are_token_exact_and_scored_in_0_1(tok, task):
 
 @pytest.mark.parametrize("rg", [{}, CHAIN_SUM, {"rg_task": "products"}])
 def test_a_right_answer_scores_1_and_a_wrong_one_0(tok, rg):
-    """Scripted replies, scored by the generator's own score_answer: the tag's answer, or the last line without one."""
+    """Scripted replies, scored by the generator's own score_answer: the tag's answer, or the last number without one."""
     task = {"seed": 5, **rg}
     data = reasoning_gym.create_dataset(rg.get("rg_task", "chain_sum"), seed=5, size=1, **rg.get("rg_config", {}))
     right = data[0]["answer"]
     wrong = str(int(right) + 1)
     replies = {f"Let me add.\n<answer>{right}</answer>": (1.0, 1.0), f"<answer>{wrong}</answer>": (0.0, 1.0),
-               f"Adding them up\n{right}": (1.0, 0.0), f"{right} is close.\n{wrong}": (0.0, 0.0), "": (0.0, 0.0)}
+               f"Adding them up\n{right}": (1.0, 0.0), f"{right} is close.\n{wrong}": (0.0, 0.0), "": (0.0, 0.0),
+               f"The answer is {right}.": (1.0, 0.0)}
     for reply, (reward, tagged) in replies.items():
         result, ep, calls = rg_episode(ScriptEngine(tok, [reply + "<|im_end|>"]), tok, task)
         assert result == {"reward": reward, "info": {"tagged": tagged, "exact": reward}}, reply
