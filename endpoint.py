@@ -81,10 +81,11 @@ async def _handle(server, fn, request):
         # with it and counted; one answer, no extras
         sampling = server["sampling"] | llm.sampling
         for key, value in (sampling | FIXED).items():
-            if body.get(key) is not None and body[key] != value and key in sampling:
-                llm.counts["sampling_overridden"] += 1
-            elif body.get(key) is not None and body[key] != value:
+            if body.get(key) is None or body[key] == value:
+                continue
+            if key not in sampling:
                 raise _error(f"{key}={body[key]!r} is not supported: the run samples with {key}={value!r}", key)
+            llm.counts["sampling_overridden"] += 1
         async with llm.lock:  # one call of an episode at a time: each extends the record it was matched to
             kind, choice, usage = await fn(server, llm, body)
         head = {"id": f"nanomolt-{time.monotonic_ns()}", "model": server["model"], "created": int(time.time())}
