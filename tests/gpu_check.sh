@@ -5,7 +5,8 @@
 #     checkpointing and compile, cpu_offload, Qwen3-VL(-MoE) against transformers, the image recipe in bf16);
 # (b) train.py for --steps steps on a Qwen3-0.6B-shaped model initialised at random (no download; the tiny
 #     tokenizer's 384 ids are a subset of the 151,936-token vocabulary), one GPU, the embedded engine, bf16;
-# (c) the same run under `torchrun --standalone --nproc_per_node=1` (the NCCL code path with one rank).
+# (c) the same run under `torchrun --standalone --nproc_per_node=1` (the NCCL code path with one rank);
+# (d) tools/bench.py trainer: train_step alone at 16k tokens, prime-rl's trainer benchmark's shape and units.
 # Writes $OUT/summary.json and $OUT/gpu_check.log and prints the summary last. Without CUDA it checks its
 # arguments, says so and exits 0. --cpu runs what a CPU can of it for real, on a small model of the same family in
 # float32: the API probe, the model's making, (b), (c) and the summary (CI runs it so: tests/test_gpu_check.py).
@@ -123,6 +124,12 @@ EOF
   cp "$work/$run/metrics.jsonl" "$OUT/metrics_$run.jsonl" 2>/dev/null
 done
 
+echo "== (d) the trainer alone, as prime-rl's trainer benchmark (tools/bench.py trainer)"
+bench=(--seq_len=16384 --steps=5 --warmup=2)
+[ $cpu = 1 ] && bench=(--seq_len=256 --steps=1 --warmup=1 --dtype=float32)
+timeout 150 python tools/bench.py trainer "--model=$model" "${bench[@]}" | tee /dev/stderr | tail -1 > "$OUT/trainer.json"
+echo "trainer bench exit ${PIPESTATUS[0]}"
+
 echo "== summary"
 python - "$OUT" "$model" <<'EOF' | tee "$OUT/summary.json" >&3
 import json, os, statistics, sys, xml.etree.ElementTree as ET
@@ -166,6 +173,10 @@ for run in ("single", "torchrun"):
         peaks[role] = max(peaks.get(role, 0), int(float(mib)))
     d["peak_gpu_mem_mib"] = peaks
     s[run] = d
+try:
+    s["trainer_bench"] = json.load(open(os.path.join(out, "trainer.json")))
+except (OSError, ValueError) as e:
+    s["trainer_bench"] = f"no result: {e}"
 print(json.dumps(s, indent=1))
 EOF
 rm -rf "$work"

@@ -45,3 +45,26 @@ def test_bench_runs_each_job_in_the_callers_environment_not_what_train_py_sets_f
                            text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
         assert p.stdout.strip().splitlines()[-1] == repr([{"env": given}]), p.stdout
+
+
+def test_the_trainer_benchmark_times_train_step_and_reports_prime_rls_units():
+    """tools/bench.py trainer: train.train_step on synthetic sequences (one GPU: tests/gpu_check.sh at 16k tokens on
+    a Qwen3-0.6B shape); here a small shape on CPU, with a given peak so that MFU is computed."""
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "trainer", "--model=small", "--seq_len=128",
+           "--steps=2", "--warmup=1", "--dtype=float32", "--peak_tflops=1"]
+    p = subprocess.run(cmd, env=ENV, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    *table, last = p.stdout.strip().splitlines()
+    result = json.loads(last)
+    import torch
+    from model_moe import ModelConfig, Transformer
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from bench import SHAPES
+    small = Transformer(ModelConfig(**SHAPES["small"]))
+    assert result["params"] == sum(p.numel() for p in small.parameters())  # the model it built, counted once (tied)
+    assert result["tokens_per_s"] > 0 and result["step_s"] > 0 and result["peak_mem_gib"] > 0.1
+    flops = 6 * result["params"] + 6 * 2 * 4 * 16 * 128  # + L heads head_dim T
+    assert abs(result["mfu"] - result["tokens_per_s"] * flops / 1e12) < 1e-12
+    assert table[-2].startswith("Type | SeqLen") and table[-1].startswith("RL Full | 128 | Recompute")
+    assert 0 < result["grad_norm"] < float("inf")  # a real update: loss, backward, AdamW
+    assert torch.isfinite(torch.tensor(result["tokens_per_s"]))

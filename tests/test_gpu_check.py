@@ -38,3 +38,4 @@ def test_with_cpu_it_runs_its_steps_for_real_and_summarises_them(tmp_path):
         assert d["exit"] == "0" and d["steps"] == 3, (run, d, (tmp_path / "gpu_check.log").read_text()[-3000:])
         assert d["step_s"] > 0 and d["trainer_tok_s"] > 0 and d["tokens_per_step"] > 0
         assert d["staleness_max"] <= 1
+    assert summary["trainer_bench"]["tokens_per_s"] > 0 and summary["trainer_bench"]["grad_norm"] > 0
