@@ -41,8 +41,7 @@ def uniform(keys):
 
 
 def sample(logits, u, *, temperature, top_p=1.0, top_k=0):
-    """logits (B, V), u (B,) the rows' uniforms in [0, 1) -> ids (B,), logprobs (B,) under the filtered, renormalised
-    distribution. temperature 0 is greedy (its logprob is reported at temperature 1)."""
+    """logits (B, V), u (B,) uniforms in [0, 1) -> ids, logprobs (B,); temperature 0: greedy, its logprob at T=1"""
     if temperature == 0:
         logp = torch.log_softmax(logits.float(), dim=-1)
         ids = logp.argmax(-1)
@@ -160,8 +159,7 @@ class TorchEngine:
         return torch.cat(out) if logits else None
 
     def step(self):
-        """One iteration -> the rows that got a token: new requests take free slots and are prefilled, the others
-        decode one token. Weights change only here, under the publish lock: a token's version sampled it."""
+        """One iteration -> the rows that got a token; weights change only here, under the publish lock (versions)."""
         with self.lock:  # the trainer cannot swap weights in the middle of a forward
             if self.shared_version is not None and self.shared_version.value != self.version:
                 self.set_weights(self.source or {}, self.shared_version.value)

@@ -60,14 +60,12 @@ def rloo(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def reinforce_pp(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """REINFORCE++, Hu 2025 (https://arxiv.org/abs/2501.03262): rewards whitened across the whole batch
-    (batch mean and unbiased std), ignoring groups: GRPO over one group. group_ids: for the shared signature."""
+    """REINFORCE++, Hu 2025 (https://arxiv.org/abs/2501.03262): rewards whitened across the batch, groups ignored."""
     return grpo(rewards=rewards, group_ids=torch.zeros_like(group_ids))
 
 
 def reinforce_pp_baseline(*, rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """REINFORCE++-baseline (https://arxiv.org/abs/2501.03262): subtract the group mean (as Dr. GRPO),
-    then whiten the result across the batch, so the scale is set by the batch and not by each group."""
+    """REINFORCE++-baseline (https://arxiv.org/abs/2501.03262): Dr. GRPO's, whitened: the batch sets the scale."""
     return reinforce_pp(rewards=_centre(rewards, group_ids)[0], group_ids=group_ids)
 
 
@@ -169,17 +167,15 @@ def tis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float
 
 
 def mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
-    """Masked IS per token: weight 1 if low <= ratio <= high else 0; drops the token rather than
-    trusting a reweighted one. IcePop, Ling Team 2025 (https://arxiv.org/abs/2510.18855)."""
+    """IcePop's masked IS per token (https://arxiv.org/abs/2510.18855): out of [low, high] dropped, not reweighted."""
     ratio = _clamp(old_logp - rollout_logp).exp().detach()  # [B, T]
     keep = (ratio >= low) & (ratio <= high)
     return keep.to(ratio.dtype), _masked_mean(~keep, loss_mask)
 
 
 def seq_mis(*, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, low: float, high: float):
-    """Sequence-level masked IS, Liu, Li et al. 2025 "When Speed Kills Stability"
-    (https://richardli.xyz/post/rl-collapse-training-inference): mis() on each sequence's geometric-mean ratio exp(mean
-    log ratio over sampled tokens), which unlike the product does not fail long sequences by length alone."""
+    """Sequence-level masked IS (Liu, Li et al. 2025, https://richardli.xyz/post/rl-collapse-training-inference): mis()
+    on each sequence's geometric-mean ratio, which unlike the product does not fail long sequences by length alone."""
     seq_log_ratio = _masked_mean(_clamp(old_logp - rollout_logp).detach(), loss_mask, -1)[:, None].expand_as(old_logp)
     return mis(old_logp=seq_log_ratio, rollout_logp=torch.zeros_like(old_logp), loss_mask=loss_mask, low=low, high=high)
 
@@ -259,9 +255,8 @@ AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_
 
 # ---- evaluation ----
 def pass_at_k(*, passed: Tensor, k: int) -> Tensor:
-    """passed [P, n] bool (n samples per prompt, k <= n) -> [P] float64: the unbiased estimator of pass@k of Chen et al.
-    2021 (https://arxiv.org/abs/2107.03374), 1 - C(n - c, k) / C(n, k) for c passing samples: the chance that k of the
-    n, drawn without replacement, hold a pass. The ratio is the paper's product over i in n-c+1..n of 1 - k/i."""
+    """passed [P, n] bool (n samples per prompt, k <= n) -> [P] float64: Chen et al. 2021's unbiased pass@k
+    (https://arxiv.org/abs/2107.03374), 1 - C(n - c, k) / C(n, k) for c passes, as the paper's product of 1 - k/i."""
     n, c = passed.shape[-1], passed.sum(-1, keepdim=True)  # c [P, 1]
     i = torch.arange(1, n + 1, dtype=torch.float64)  # [n]
     return 1 - torch.where(i > n - c, 1 - k / i, 1.0).prod(-1)

@@ -336,13 +336,12 @@ class Transformer(nn.Module):
 
     def forward(self, ids, positions=None, segments=None, cache=None, slots=None, routing=None,
                 return_routing=False, images=None, logits_at=None, aux_mask=None, rope_shift=None):
-        """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)]. positions (B, T): default 0..T-1.
-        segments (B, T): a token sees the earlier ones of its segment and of segment 0 (train.packed_rows: a shared
-        prompt, then each episode's rest); padding as -1 is invisible (left or right). routing: experts to replay.
-        cache/slots: KVCache and each row's slot (B,); tokens go at their positions, see all at or before in their slot.
-        images: (C, H, W) floats in [0, 1], in row-major order of their placeholders (ModelConfig.grid's h * w each).
-        rope_shift (B,): added to positions (the engine's decode: images' M-RoPE offset). logits_at (B, T) bool: only
-        these positions' logits, as (n, vocab). aux_mask (B, T) bool: where aux_loss (load balancing) counts."""
+        """ids (B, T) -> logits (B, T, vocab) [, routing (n_moe_layers, B, T, top_k)]; positions (B, T). segments
+        (B, T): a token sees the earlier ones of its segment and of segment 0 (train.packed_rows: a shared prompt, then
+        each episode's rest); padding as -1 is invisible (left or right). routing: experts to replay. cache/slots:
+        KVCache and each row's slot (B,). images: (C, H, W) floats in [0, 1], one per run of placeholders. rope_shift
+        (B,): the engine's decode's M-RoPE offset. logits_at (B, T) bool: only these positions' logits, as (n, vocab).
+        aux_mask (B, T) bool: where aux_loss (load balancing) counts."""
         mc, (B, T) = self.config, ids.shape
         positions = torch.arange(T, device=ids.device).expand(B, T) if positions is None else positions
         x = self.model.embed_tokens(ids)  # (B, T, C)

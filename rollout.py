@@ -16,13 +16,13 @@ import traceback
 import types
 from collections import deque
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
 import agent as agent_mod
 import endpoint
 import estimators as est
-from agent import ContextFull, load_tokenizer, stop_ids
 from engine import TorchEngine
 from model_moe import Transformer
 from servers import ServerEngine, ServerError, log_tail, start_server, stop_server, wait_healthy, write_weights
@@ -58,7 +58,7 @@ class Policy:
         try:
             completion = await self.engine.generate(ids, max_new_tokens, images=images, key=next(self.keys),
                                                     sampling=sampling)
-        except ContextFull:
+        except agent_mod.ContextFull:
             self.full = True  # an agent that gives up now (a chat agent's client raises the 400) is truncated
             raise
         self.calls.append((list(ids), completion, images))
@@ -155,27 +155,22 @@ def dump_row(msg, tokenizer):
             "logprobs": msg["logprobs"].tolist(), "versions": msg["versions"].tolist()}
 
 
-PACKED = ("ids", "loss_mask", "versions", "logprobs", "routing", "engine_ids")  # tensors, length first
-
-
 def pack(group):
-    """A group's messages -> one queue item: tensors concatenated as numpy arrays, pickled by value (not as fds)."""
-    item = {"msgs": [{k: [im.numpy() for im in v] if k == "images" else v for k, v in m.items() if k not in PACKED}
-                     for m in group]}
-    for k in PACKED:
-        kept = [m[k] for m in group if m[k] is not None]
-        item[k] = torch.cat(kept).numpy() if kept else None, [-1 if m[k] is None else len(m[k]) for m in group]
-    return item
+    """A group's messages -> one queue item, their tensors as numpy arrays: pickled by value (a tensor passes a file
+    descriptor each)."""
+    return [{k: _each(v, torch.Tensor, torch.Tensor.numpy) for k, v in m.items()} for m in group]
 
 
 def unpack(item):
     """pack's inverse: the group's messages (their tensors are views of the arrays)."""
-    for k in PACKED:
-        flat, sizes = item[k]  # sizes: -1 for None
-        parts = iter(torch.from_numpy(flat).split([s for s in sizes if s >= 0]) if flat is not None else ())
-        for msg, size in zip(item["msgs"], sizes):
-            msg[k] = next(parts) if size >= 0 else None
-    return [m | {"images": [torch.from_numpy(im) for im in m["images"]]} for m in item["msgs"]]
+    return [{k: _each(v, np.ndarray, torch.from_numpy) for k, v in m.items()} for m in item]
+
+
+def _each(value, kind, fn):
+    """fn(value) if value is a `kind`, or on each of a list (images); anything else as it is"""
+    if isinstance(value, list):
+        return [_each(v, kind, fn) for v in value]
+    return fn(value) if isinstance(value, kind) else value
 
 
 def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, state):
@@ -197,9 +192,9 @@ def rollout_main(cfg, model_cfg, link, start_index, tokenizer_dir, state):
 
 
 async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
-    tok = load_tokenizer(tokenizer_dir)
+    tok = agent_mod.load_tokenizer(tokenizer_dir)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                    max_len=cfg.engine_max_len, stop_ids=stop_ids(tok, tokenizer_dir), seed=cfg.seed,
+                    max_len=cfg.engine_max_len, stop_ids=agent_mod.stop_ids(tok, tokenizer_dir), seed=cfg.seed,
                     version=link.version, lock=link.lock)
     if link.servers is not None:
         engine = ServerEngine(cfg.engine, [u for u, _ in link.servers], logs=[log for _, log in link.servers],
@@ -298,9 +293,8 @@ async def run_episode(cfg, engine, tokenizer, server, vocab_size, task, index, r
 
 
 async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_size, state=None, evals=None):
-    """Run agents; queue each group whole once all its episodes ended; a group starts only while fewer are live than
-    (version + 1 + max_staleness) * prompts_per_step + dropped. state: a checkpoint's COUNTS (deterministic: and index,
-    base); deterministic: {"idle", "state"} follows once all admitted ended. evals: (version, metrics' queue)."""
+    """Run agents; queue each group whole once all its episodes ended, admitting groups within the staleness window.
+    state: a checkpoint's COUNTS (deterministic: and index, base); evals: (version, metrics' queue)."""
     G = cfg.group_size
     P = cfg.prompts_per_step
     run = agent_mod.load_agent(cfg.task)
@@ -430,11 +424,11 @@ class Rollout:
             if stop() or self.died:
                 return None
             item = self._next(1.0)
-            if item is not None and "idle" in item:  # the report
+            if isinstance(item, dict):  # the report
                 self.idle = item
             elif item is not None:  # a group (packed: the checkpoint saves it so)
                 self.held.append(item)
-        self.held = deque(sorted(self.held, key=lambda item: item["msgs"][0]["index"]))
+        self.held = deque(sorted(self.held, key=lambda item: item[0]["index"]))
         return self.idle["state"]
 
     def evaluate(self, version):

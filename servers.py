@@ -233,8 +233,7 @@ class ServerEngine:
             raise ServerError(f"server {self.urls[server]} is unreachable ({e}){log_tail(self.logs[server])}") from e
 
     async def run(self):
-        """On a new shared version: close admission, wait for the requests in flight, move every server to
-        it (in memory or from its directory), reopen. Tokens sampled after that are tagged with it."""
+        """Each new shared version: every server moves to it with admission closed; later tokens are tagged with it."""
         while True:
             if self.failed is not None:
                 raise self.failed

@@ -29,7 +29,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that wait sleep, not spin
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 import agent
@@ -43,8 +43,7 @@ from model_moe import LoRALinear, ModelConfig, Transformer, add_lora, convert_gg
 
 
 def compute_init(cfg):
-    """-> (rank, world, device, fsdp). Under torchrun one group for both devices (a CPU tensor in a collective needs
-    gloo); one process with dtype != float32 or cpu_offload a group of one (mixed precision, offload: FSDP2's)."""
+    """-> (rank, world, device, fsdp); gloo for CPU tensors in collectives; FSDP2's dtype, offload: a group of one"""
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -62,24 +61,15 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def full_state(model, fsdp, changed=False, merged=True):
-    """The whole (unsharded) state dict on rank 0, on CPU, LoRA adapters merged in (model_moe.merge_lora) unless
-    merged=False; an empty dict on other ranks. changed: only the layers LoRA adapts (nothing else changes)."""
-    lora = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
-    sd = {k: v for k, v in model.state_dict(keep_vars=True).items() if not changed or k.rpartition(".")[0] in lora}
-    if fsdp and dist.get_world_size() > 1:  # one gather of all shards to rank 0 alone, flat (one per tensor is slow
-        # on gloo), each padded to ceil(len / world) rows: FSDP2 splits dim 0 as torch.chunk (the last ranks hold fewer)
-        world = dist.get_world_size()
-        unique = {id(v): v for v in sd.values()}  # a tied weight once
-        n = {i: math.ceil(len(v) / world) * math.prod(v.shape[1:]) for i, v in unique.items()}  # elements a rank sends
-        shards = {i: v.to_local().detach().flatten() for i, v in unique.items()}
-        flat = torch.cat([torch.nn.functional.pad(t, (0, n[i] - len(t))) for i, t in shards.items()])
-        out = None if dist.get_rank() else flat.new_empty(world, len(flat))  # row r: rank r's shards
-        dist.gather(flat, None if out is None else list(out), dst=0)
+    """-> rank 0: the whole state dict on CPU ({} elsewhere), LoRA merged unless merged=False; changed: LoRA's layers"""
+    if fsdp:  # every rank sends its shards, rank 0 alone keeps the whole (FULL's cpu_offload)
+        sd = get_model_state_dict(model, options=FULL)
         if dist.get_rank():
             return {}
-        parts = dict(zip(unique, out.cpu().split(list(n.values()), 1)))  # (world, n[i]): rank r's row r
-        sd = {k: parts[id(v)].flatten()[:v.numel()].view(v.shape) for k, v in sd.items()}
-    sd = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu() for k, v in sd.items()}  # a group of one
+    else:
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    lora = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    sd = {k: v for k, v in sd.items() if not changed or k.rpartition(".")[0] in lora}
     return merge_lora(model, sd)[0] if merged else sd
 
 # ---- the policy ----
@@ -129,8 +119,7 @@ def tiny_init(cfg, rank, fsdp):
 
 
 def shard(model, cfg, device):
-    """FSDP2: one unit per block; the root holds embeddings, final norm and lm_head. reshard_after_forward auto: on
-    GPUs (memory); on CPU (gloo) gathered weights stay from forward to backward, one all-gather fewer per block."""
+    """FSDP2, a unit per block; reshard_after_forward auto: on GPUs (memory), not on CPU (one all-gather fewer)"""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32),
               reshard_after_forward={"auto": device.type == "cuda", "true": True}.get(cfg.reshard_after_forward, False),
@@ -141,9 +130,8 @@ def shard(model, cfg, device):
 
 
 def build_model(cfg, rank, device, fsdp, path, frozen=False, adapters=None, critic=False):
-    """The policy (frozen: a reference or teacher) from a HF directory. FSDP: built on the meta device, sharded; rank 0
-    reads the file, the others receive their shards. float32 master weights; `dtype` computes. LoRA: adapters on a
-    frozen base; `adapters`: a resumed run's (rank 0; critic: weights). critic: a value model, lm_head a scalar head."""
+    """The policy (frozen: a reference or teacher; critic: a value model, lm_head a scalar head) from a HF directory;
+    float32 master weights, `dtype` computes; `adapters`: a resumed run's LoRA adapters (rank 0; critic: weights)."""
     targets = cfg.lora_targets.split(",") if cfg.lora_rank and not frozen and not critic else []  # none: no change
 
     def adapt(net):
@@ -288,8 +276,7 @@ def values(critic, b):
 
 
 def micro_loss(model, b, cfg, counts, adv, world, critic=None):
-    """-> (loss to backward, its loss metrics (LOSS_KEYS), pi_old's logp); b may hold the recompute (old_logp, ...).
-    critic: its value loss joins the loss (its gradient reaches only the critic)."""
+    """-> (loss to backward, its LOSS_KEYS metrics, pi_old's logp); a critic's value loss joins (gradient: its own)."""
     mask = b["loss_mask"][:, 1:]
     logits, logp = token_logp(model, b, cfg)  # experts replayed
     old = b.get("old_logp", logp.detach())

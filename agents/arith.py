@@ -1,7 +1,8 @@
 """arith: one turn, the question `arith_prompt` (default `a+b=`); the answer's last integer is checked ("3 + 4 = 7")."""
 import re
 
-from agent import Episode, model_turn, prompt_ids
+from agent import Episode
+from tools.agentkit import model_turn, prompt_ids
 
 
 async def run(task: dict, llm) -> Episode:

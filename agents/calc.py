@@ -3,7 +3,8 @@ reply's last integer is the answer. It returns the reward; the rollout builds th
 import json
 import re
 
-from agent import openai_client, run_tool
+from tools.agentkit import openai_client
+from tools.sandbox import run_tool
 
 PROMPT = "What is {}*{}+{}? You may run Python."
 PYTHON_TOOL = {"type": "function", "function": {

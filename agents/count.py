@@ -5,7 +5,8 @@ import re
 
 import torch
 
-from agent import IMAGE_PAD, Episode, model_turn, prompt_ids, turn_suffix
+from agent import IMAGE_PAD, Episode
+from tools.agentkit import model_turn, prompt_ids, turn_suffix
 
 PROMPT = "How many squares?"
 

@@ -4,7 +4,8 @@ environment tokens (loss_mask 0), each model turn as the engine's own sampled id
 trains exactly what was sampled; the text is decoded only to read the guess. Reward 1 if found."""
 import re
 
-from agent import Episode, model_turn, prompt_ids, turn_suffix
+from agent import Episode
+from tools.agentkit import model_turn, prompt_ids, turn_suffix
 
 PROMPT = "Guess my number from 1 to {}."
 # Feedback repeats the guess ("4 is too low"): the last message then holds all a simple strategy needs,

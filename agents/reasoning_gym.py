@@ -15,7 +15,7 @@ import re
 import reasoning_gym
 from reasoning_gym.utils import extract_answer
 
-from agent import openai_client
+from tools.agentkit import openai_client
 
 DEFAULT_TASK = "chain_sum"  # short prompts, integer answers: "... 4 - 5 + 3 - 4 + 9 ="
 INSTRUCTION = "\nGive your final answer inside <answer></answer> tags."

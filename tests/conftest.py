@@ -11,7 +11,7 @@ INSTALL = {}  # --install-servers: the background install's process and log
 
 def pytest_addoption(parser):
     parser.addoption("--install-servers", action="store_true",
-                     help="install vLLM and SGLang (tests/install_vllm.sh, tests/install_sglang.sh) in the background "
+                     help="install the CLI harnesses, verifiers, vLLM and SGLang (tests/install_*.sh) in the background "
                           "while the other tests run; the server tests (tests/test_servers.py, run last) wait for it")
 
 
@@ -21,13 +21,15 @@ def pytest_configure(config):
         # niced: the tests running meanwhile keep the cores (on 2 cores, the calc warm-start run took 423 s beside a
         # normal-priority install, 204 s alone); the server tests run last and wait for it
         with open(INSTALL["log"], "wb") as log:
-            cmd = "nice -n 19 bash -c 'bash tests/install_vllm.sh && bash tests/install_sglang.sh'"
+            cmd = ("nice -n 19 bash -c 'bash tests/install_harnesses.sh && bash tests/install_verifiers.sh && "
+                   "bash tests/install_vllm.sh && bash tests/install_sglang.sh'")
             INSTALL["proc"] = subprocess.Popen(cmd, shell=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL)
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name == "test_servers.py")  # stable: the server tests last, all else as is
+    # stable: the tests that wait for the background install last (the servers' the very last), all else as is
+    items.sort(key=lambda item: {"test_verifiers.py": 1, "test_servers.py": 2}.get(item.path.name, 0))
 
 
 def pytest_unconfigure(config):

@@ -95,7 +95,7 @@ def memory_kb(pid):
 
 def leftovers(table, run_pids):
     """Sandbox processes (or fork-bomb children) of this run alive now: none may outlive it. As root each tool
-    call runs as uid 2^20 + (pid of the caller << 8) + n (agent.run_tool), which names the run's process."""
+    call runs as uid 2^20 + (pid of the caller << 8) + n (tools/sandbox.run_tool), which names the run's process."""
     left = []
     for pid, (ppid, comm, cmd) in table.items():
         if comm == BOMB or ("-I -S -u -c" in cmd and "resource" in cmd):

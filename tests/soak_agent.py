@@ -21,7 +21,8 @@ import os
 import random
 import tempfile
 
-from agent import load_agent, run_tool
+from agent import load_agent
+from tools.sandbox import run_tool
 
 guess = load_agent("guess")
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import agent
-from agent import Episode, load_agent, make_task, make_tokenizer, prompt_ids, turn_suffix
+from agent import Episode, load_agent, make_task, make_tokenizer
+from tools.agentkit import prompt_ids, turn_suffix
 from rollout import check_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,6 +14,7 @@ import torch
 from test_rollout import collect, drive
 
 import agent
+from tools import agentkit
 import config
 import endpoint
 from agent import Completion
@@ -105,7 +106,7 @@ def test_refused_parameters_and_bad_requests_are_openai_errors(tok):
                          ("presence_penalty", dict(presence_penalty=0.5)),
                          ("frequency_penalty", dict(frequency_penalty=1)),
                          ("logit_bias", dict(logit_bias={"5": 10})), ("seed", dict(seed=7)),
-                         ("logprobs", dict(logprobs=True)), ("top_logprobs", dict(logprobs=False, top_logprobs=2))]:
+                         ("top_logprobs", dict(logprobs=True, top_logprobs=2))]:
             with pytest.raises(openai.BadRequestError) as e:
                 await client.chat.completions.create(**dict(dict(model=llm.model, messages=ok), **kw))
             errors[name] = e.value.body
@@ -121,8 +122,7 @@ def test_refused_parameters_and_bad_requests_are_openai_errors(tok):
             await other.chat.completions.create(model=llm.model, messages=ok)
         return errors
     llm, errors = chat_episode(dense_engine(tok), tok, bad)
-    for k in ("messages", "n", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "logprobs",
-              "top_logprobs"):
+    for k in ("messages", "n", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "top_logprobs"):
         assert errors[k]["param"] == k and k in errors[k]["message"], errors[k]
     assert errors["long"]["code"] == "context_length_exceeded"
     segs = endpoint.segments(llm, 0.0)  # the refused calls left no trace in the record; the two answered ones, a
@@ -425,9 +425,9 @@ def test_qwen3_vocabulary_random_model_through_the_endpoint():
 # ---- /v1/completions: a prompt as token ids or as text, appended to the episode's record like chat turns ----
 def test_completions_with_token_ids_and_text_extend_one_segment(tok):
     async def complete(client, llm):
-        first = agent.prompt_ids(tok, "Guess my number from 1 to 7.")
+        first = agentkit.prompt_ids(tok, "Guess my number from 1 to 7.")
         r1 = await client.completions.create(model=llm.model, prompt=first, max_tokens=4)
-        ids = first + r1.choices[0].token_ids + agent.turn_suffix(tok, "4 is too low")  # the sampled ids, as sampled
+        ids = first + r1.choices[0].token_ids + agentkit.turn_suffix(tok, "4 is too low")  # the sampled ids, as sampled
         r2 = await client.completions.create(model=llm.model, prompt=ids)
         text = tok.decode(ids) + r2.choices[0].text + "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
         r3 = await client.completions.create(model=llm.model, prompt=text)  # as text: only the new part is tokenized

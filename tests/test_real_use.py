@@ -62,11 +62,12 @@ def test_engine_prefill_and_weight_swap_never_build_logits_for_every_position():
 
 PLAIN_AGENT = """
 import agent
+from tools import agentkit
 
 async def run(task, llm):
     ep = agent.Episode()  # no group given: the rollout knows it
-    ep.append(agent.prompt_ids(llm.tokenizer, "hi"))
-    await agent.model_turn(llm, ep)
+    ep.append(agentkit.prompt_ids(llm.tokenizer, "hi"))
+    await agentkit.model_turn(llm, ep)
     ep.reward = float(task["index"] % 3)
     return ep
 """

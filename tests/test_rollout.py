@@ -189,6 +189,7 @@ def test_weight_swap_mid_generation():
 import queue
 
 import agent
+from tools import agentkit
 import config
 from rollout import Policy, check_tokens, produce
 
@@ -311,8 +312,8 @@ def test_check_tokens_rejects_an_episode_that_differs_from_the_engine(tok):
         loop_task = asyncio.create_task(engine.run())
         llm = Policy(engine, tok)
         ep = agent.Episode()
-        ep.append(agent.prompt_ids(tok, "hi"))
-        await agent.model_turn(llm, ep)
+        ep.append(agentkit.prompt_ids(tok, "hi"))
+        await agentkit.model_turn(llm, ep)
         loop_task.cancel()
         return ep, llm.calls
     ep, calls = asyncio.run(main())
@@ -440,15 +441,15 @@ def test_publish_does_not_hang_on_the_lock_of_a_dead_rollout_process():
 
 
 def test_pack_unpack_round_trip_with_missing_fields():
-    """A group crosses the queue as one item (an array per field, images as arrays: no tensor, whose storage would pass
-    a file descriptor each); episodes without routing keep None."""
+    """A group crosses the queue as one item (its tensors as arrays, images too: no tensor, whose storage would pass a
+    file descriptor each); episodes without routing keep None."""
     def msg(n, fill, routing, images):
         return {"engine_ids": torch.tensor([1, 2][:n % 3]), "ids": torch.full((n,), fill), "loss_mask": torch.ones(n),
                 "versions": torch.zeros(n, dtype=torch.long), "logprobs": -torch.rand(n), "routing": routing,
                 "reward": 1.0, "index": fill, "images": images}
     group = [msg(5, 0, None, []), msg(7, 1, torch.rand(7, 2, 1), [torch.rand(3, 8, 16), torch.rand(3, 16, 8)])]
     item = rollout.pack([dict(m) for m in group])
-    assert item["ids"][0].shape == (12,) and item["routing"][0].shape == (7, 2, 1)
+    assert item[0]["ids"].shape == (5,) and item[1]["routing"].shape == (7, 2, 1) and item[0]["routing"] is None
     tensors = []  # every leaf that json cannot write: arrays (by value), or tensors
     json.dumps(item, default=lambda o: tensors.append(o) if torch.is_tensor(o) else o.tolist())
     assert not tensors

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import agent  # noqa: E402
-from agent import run_tool  # noqa: E402
+import tools.sandbox as sandbox  # noqa: E402
+from tools.sandbox import run_tool  # noqa: E402
 
 ROOT = os.geteuid() == 0
 LANDLOCK = ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1) >= 1  # same probe as the prelude
@@ -132,7 +132,7 @@ def test_children_that_leave_the_process_group_die_with_the_caller():
     # kill -9 of the caller (the rollout): no killpg runs, the tool's death alone must take its escaped children along
     marker = f"nmorph{os.getpid() % 10**6}"
     code = ESCAPE.format(marker=marker).replace('print("forked")', 'print("forked")\ntime.sleep(100)')
-    caller = subprocess.Popen([sys.executable, "-c", f"import asyncio, agent\nasyncio.run(agent.run_tool({code!r}, "
+    caller = subprocess.Popen([sys.executable, "-c", f"import asyncio\nfrom tools.sandbox import run_tool\nasyncio.run(run_tool({code!r}, "
                                "timeout_s=100))"], env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     try:
         deadline = time.monotonic() + 30
@@ -191,7 +191,7 @@ def test_a_uid_is_never_shared_by_two_live_calls():
 
 @pytest.mark.parametrize("abi, missing", [(5, "Landlock ABI 5 < 6"), (0, "no Landlock")])
 def test_a_missing_wall_is_refused_naming_it_and_the_opt_out(abi, missing, monkeypatch):
-    monkeypatch.setattr(agent, "LANDLOCK_ABI_MAX", abi, raising=False)  # play an older kernel
+    monkeypatch.setattr(sandbox, "LANDLOCK_ABI_MAX", abi)  # play an older kernel
     with pytest.raises(RuntimeError) as e:
         run("print('RAN')")
     assert missing in str(e.value) and "sandbox_unsafe" in str(e.value)
@@ -378,14 +378,14 @@ NOBODY_PYTHON = next((p for p in ["/usr/bin/python3", "/usr/local/bin/python3"] 
 
 @pytest.mark.skipif(not (ROOT and NOBODY_PYTHON), reason="needs root to become nobody and a Python nobody can run")
 def test_as_a_non_root_user_the_sandbox_still_holds():
-    # The uid -1 path: run_tool's own code (agent.py's tools section, not importable there: no torch) under a
+    # The uid -1 path: run_tool's own code (tools/sandbox.py, as source: nobody may not read the checkout) under a
     # system Python as nobody, beside 20 threads as a trainer has: the tool gets a user, network, mount and pid
     # namespace of its own where the kernel allows them unprivileged, and is refused where it does not.
     userns = subprocess.run([NOBODY_PYTHON, "-I", "-c", "import ctypes; exit(ctypes.CDLL(None).unshare(0x50000000))"],
                             user=65534, group=65534, extra_groups=[]).returncode == 0  # CLONE_NEWUSER | NEWNET
     abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1)
-    src = (Path(__file__).parents[1] / "agent.py").read_text()
-    tools = src[src.index("# ---- tools"):src.index("def openai_client")]
+    src = (Path(__file__).parents[1] / "tools" / "sandbox.py").read_text()
+    tools = src[:src.index('if __name__ == "__main__":')]
     public, bomb, escape = Path(tempfile.mkdtemp(prefix="nanomolt_public_")), *(f"nm{k}{os.getpid() % 10**6}" for k in "be")
     try:
         public.chmod(0o755)

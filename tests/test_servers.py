@@ -28,6 +28,7 @@ from test_rollout import (  # the producer and engine loop, as the rollout runs 
 )
 
 import agent
+from tools import agentkit
 import config
 import rollout
 import servers
@@ -573,7 +574,7 @@ def greedy_torch(model, prompts, stop_id, n=6):
 @needs_vllm
 def test_vllm_greedy_matches_torch_and_a_weight_update_takes_effect(vllm_server, tok, tok_dir):
     s, stop = vllm_server, tok.convert_tokens_to_ids("<|im_end|>")
-    prompts = [agent.prompt_ids(tok, t) for t in ("Guess my number from 1 to 7.", "What is 3*4+5?", "2+2=")]
+    prompts = [agentkit.prompt_ids(tok, t) for t in ("Guess my number from 1 to 7.", "What is 3*4+5?", "2+2=")]
     version = Counter(0)
     e = vllm_engine(s, tok, version, temperature=0)
     new = Transformer(s["cfg"]).init_weights(7, std=0.3)
@@ -757,7 +758,7 @@ def test_sglang_weight_update_takes_effect_after_running_requests(sglang_server,
     under the new weights."""
     s, stop = sglang_server, tok.convert_tokens_to_ids("<|im_end|>")
     sync = "memory" if s["cfg"].num_experts else "disk"
-    prompts = [agent.prompt_ids(tok, t) for t in ("Guess my number from 1 to 7.", "What is 3*4+5?")]
+    prompts = [agentkit.prompt_ids(tok, t) for t in ("Guess my number from 1 to 7.", "What is 3*4+5?")]
     old = Transformer(s["cfg"]).init_weights(0, std=0.3)
     new = Transformer(s["cfg"]).init_weights(11 if sync == "memory" else 13, std=0.3)
     shared = {k: v.clone().share_memory_() for k, v in old.state_dict().items()}  # what start_rollout makes
@@ -843,10 +844,10 @@ def test_sticky_routing_keeps_each_episodes_prefix_in_its_servers_radix_cache(tm
             servers = [start_server("sglang", first, cfg, str(tmp_path / f"sglang{k}.log")) for k in range(2)]
 
         async def episode(e, j, keyed):
-            ids = agent.prompt_ids(tok, f"I guess {j}. {j + 1} is too high")  # distinct prompts
+            ids = agentkit.prompt_ids(tok, f"I guess {j}. {j + 1} is too high")  # distinct prompts
             for turn in range(3):
                 out = (await e.generate(ids, key=(j, turn) if keyed else None)).ids
-                ids = ids + out + [end] * (out[-1:] != [end]) + agent.turn_suffix(tok, "say a number")
+                ids = ids + out + [end] * (out[-1:] != [end]) + agentkit.turn_suffix(tok, "say a number")
 
         async def episodes(e, keyed):
             await asyncio.gather(*(episode(e, j, keyed) for j in range(16)))
@@ -909,8 +910,8 @@ def test_sglang_serves_qwen3_vl_moe_with_images(tmp_path, tok, tok_dir, device):
         for turn, (H, W) in enumerate([(16, 16), (8, 24)]):  # 2 x 2 and 1 x 3 image tokens
             text = agent.IMAGE_PAD * (H // 8 * W // 8) + agent.load_agent("count").__globals__["PROMPT"]
             ep.append_image(torch.randint(0, 256, (3, H, W), generator=g) / 255,
-                            agent.turn_suffix(tok, text) if turn else agent.prompt_ids(tok, text))
-            await agent.model_turn(llm, ep)
+                            agentkit.turn_suffix(tok, text) if turn else agentkit.prompt_ids(tok, text))
+            await agentkit.model_turn(llm, ep)
         return episode_to_msg(ep, j, j, check_tokens(ep, llm.calls))
 
     async def episodes():

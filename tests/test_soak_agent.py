@@ -73,7 +73,7 @@ def test_a_tool_call_dies_with_its_caller(tmp_path):
     """kill -9 of the process that runs a tool call (the rollout) takes the tool process with it."""
     marker = f"nmorphan{os.getpid() % 10**5}"
     code = f"import ctypes, time\nctypes.CDLL(None).prctl(15, b'{marker}')\ntime.sleep(3600)"
-    caller = subprocess.Popen([sys.executable, "-c", f"import asyncio, agent\nasyncio.run(agent.run_tool({code!r}, "
+    caller = subprocess.Popen([sys.executable, "-c", f"import asyncio\nfrom tools.sandbox import run_tool\nasyncio.run(run_tool({code!r}, "
                                "timeout_s=600))"], env={**os.environ, "PYTHONPATH": ROOT})
     try:
         deadline = time.time() + 30
@@ -133,7 +133,8 @@ def test_rollout_that_dies_exits_even_with_agents_that_ignore_cancellation(tmp_p
 
 
 TOOL_AGENT = """
-from agent import load_agent, run_tool
+from agent import load_agent
+from tools.sandbox import run_tool
 
 guess = load_agent("guess")
 

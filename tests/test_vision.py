@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import agent
+from tools import agentkit
 import endpoint
 from engine import TorchEngine
 from model_moe import ModelConfig, Transformer
@@ -158,9 +159,9 @@ async def shapes_agent(task, llm):
     ep, tok, g = agent.Episode(), llm.tokenizer, torch.Generator().manual_seed(task["seed"])
     for turn, (H, W) in enumerate(SHAPES[:task["max_turns"]]):
         text = agent.IMAGE_PAD * (H // 8 * W // 8) + agent.load_agent("count").__globals__["PROMPT"]
-        ep.append_image(torch.rand(3, H, W, generator=g), agent.turn_suffix(tok, text) if turn else
-                        agent.prompt_ids(tok, text))
-        await agent.model_turn(llm, ep)
+        ep.append_image(torch.rand(3, H, W, generator=g), agentkit.turn_suffix(tok, text) if turn else
+                        agentkit.prompt_ids(tok, text))
+        await agentkit.model_turn(llm, ep)
     return ep
 
 
@@ -290,7 +291,7 @@ def test_bad_images_are_clear_errors_at_the_agent(tok):
     m = count_model(tok, 5)
     engine = engine_for(tok, m)
     pad = [m.config.image_token_id] * 4
-    prompt = agent.prompt_ids(tok, "x")
+    prompt = agentkit.prompt_ids(tok, "x")
 
     def gen(ids, images, model_engine=engine):
         return asyncio.run(Policy(model_engine, tok).generate(ids, images=images))
@@ -406,7 +407,7 @@ def test_prompts_whose_images_have_equal_bytes_but_other_shapes_are_prefilled_ap
     pad = tok.convert_tokens_to_ids(agent.IMAGE_PAD)
     wide = torch.rand(3, 8, 16, generator=torch.Generator().manual_seed(0))
     tall = wide.reshape(3, 16, 8)  # the same bytes
-    ids = agent.prompt_ids(tok, agent.IMAGE_PAD * 2 + "How many?")
+    ids = agentkit.prompt_ids(tok, agent.IMAGE_PAD * 2 + "How many?")
     assert ids.count(pad) == 2  # (8 / 8) x (16 / 8) tokens, either way round
 
     def first_logprobs(images, keys):  # a key per request: its random draw, so alone and together sample alike

@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer on the work `python bench.py trl` gives it; run under TRL's own interpreter (a venv that sees
 nanomolt's packages, e.g. `python -m venv --system-site-packages`):
     python tests/trl_arith.py --config configs/guess.py --task=arith ... --model=DIR --max_steps=N --out_dir=D
-The prompts are nanomolt's: its task stream and agent.prompt_ids, checked against TRL's own chat rendering.
+The prompts are nanomolt's: its task stream and agentkit.prompt_ids, checked against TRL's own chat rendering.
 Writes <out_dir>/metrics.jsonl with train.py's keys for each step's wall time and mean reward."""
 import json
 import os
@@ -17,6 +17,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import agent  # noqa: E402
+from tools import agentkit
 import config  # noqa: E402
 
 cfg = config.load(sys.argv[1:])
@@ -28,7 +29,7 @@ questions = [cfg.arith_prompt.format(**t) for t in tasks]
 msgs = [[{"role": "user", "content": q}] for q in questions]
 for m, q in zip(msgs, questions):  # TRL renders a conversational prompt with the chat template itself
     ids = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    assert ids == agent.prompt_ids(tok, q), "TRL would sample from other prompt ids than nanomolt"
+    assert ids == agentkit.prompt_ids(tok, q), "TRL would sample from other prompt ids than nanomolt"
 data = Dataset.from_dict({"prompt": msgs, "answer": [t["a"] + t["b"] for t in tasks]})
 
 

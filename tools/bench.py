@@ -113,8 +113,9 @@ def bench_trainer():
     head = ("Type", "SeqLen", "AC", "Attn", "Hardware", "MFU", "TPS", "Step Time", "Peak Mem")
     row = ("RL Full", args.seq_len, "Recompute", "SDPA", f"1x{gpu}", mfu, f"{tokens_per_s / 1e3:.2f}k",
            f"{step:.2f}s", f"{memory:.1f} GiB")
-    print(f"\nnanomolt train_step, {args.model}, {n_params / 1e9:.3f}B parameters, {args.dtype}, batch {args.batch}, "
-          f"median of {args.steps} steps after {args.warmup}", *(" | ".join(map(str, r)) for r in (head, row)), sep="\n")
+    title = (f"nanomolt train_step, {args.model}, {n_params / 1e9:.3f}B parameters, {args.dtype}, batch {args.batch}, "
+             f"median of {args.steps} steps after {args.warmup}")
+    print("", title, *(" | ".join(map(str, r)) for r in (head, row)), sep="\n")
     print(json.dumps({"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / (peak * 1e12) if peak else None,
                       "step_s": step, "peak_mem_gib": memory, "params": n_params, "device": gpu,
                       "grad_norm": norms[0]}))

@@ -8,6 +8,7 @@ import re
 from PIL import Image
 
 import agent
+from tools import agentkit
 
 
 async def run(task, llm):
@@ -18,7 +19,7 @@ async def run(task, llm):
     Image.fromarray(pixels).save(png, "PNG")
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": agent.load_agent("count").__globals__["PROMPT"]}]
-    async with agent.openai_client(llm) as client:
+    async with agentkit.openai_client(llm) as client:
         reply = await client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": content}])
     digit = re.search(r"\d", reply.choices[0].message.content or "")
     return float(digit is not None and int(digit.group()) == k)

@@ -1,5 +1,6 @@
 """A token-level agent that sets its own limit on each call (max_new_tokens=1): one turn of a+b=, one token."""
-from agent import Episode, model_turn, prompt_ids
+from agent import Episode
+from tools.agentkit import model_turn, prompt_ids
 
 
 class OneToken:
