@@ -375,12 +375,10 @@ def _from_responses(body):
     functions = []  # a namespace tool (Codex's) groups function tools: the model sees each as a flat one
     for tool in body.get("tools") or []:
         functions += tool["tools"] if tool["type"] == "namespace" else [tool]
-    for tool in functions:
-        if tool["type"] != "function":
-            raise _error(f"tools of type {tool['type']!r} are not supported (function tools are)", "tools")
+    # a hosted tool (web_search, ...) the run cannot serve is left out (_responses counts it)
     tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
                                                "parameters": t.get("parameters") or {}}}
-             for t in functions]
+             for t in functions if t["type"] == "function"]
     return {"messages": msgs, "tools": tools or None, "max_tokens": body.get("max_output_tokens")}
 
 
@@ -389,6 +387,8 @@ async def _responses(server, llm, body):
     if body.get("previous_response_id") is not None:
         raise _error("previous_response_id: no response is stored here; send the whole input", "previous_response_id")
     msg, finish, usage, out, _ = await _chat_turn(server, llm, _from_responses(body))
+    hosted = [t for t in body.get("tools") or [] if t["type"] not in ("function", "namespace")]  # web_search, ...
+    llm.counts["hosted_tools_dropped"] += len(hosted)
     thinking, text, calls = _reply_parts(msg)
     rid = time.monotonic_ns()
     output = [] if thinking is None else [{"type": "reasoning", "id": f"rs_{rid}", "summary": [],

@@ -44,8 +44,9 @@ class Policy:
         self.base_url = None
         self.segs = []  # {"ep", "ids", "calls", "text"} for each segment of the conversation
         self.lock = asyncio.Lock()  # one call of the episode at a time
-        # tool calls, well-formed and malformed; requests whose own temperature, top_p, top_k the run's replaced
-        self.counts = {"tool_calls": 0, "malformed_tool_calls": 0, "sampling_overridden": 0}
+        # tool calls, good and malformed; requests whose own sampling the run's replaced; hosted tools left out
+        self.counts = dict.fromkeys(["tool_calls", "malformed_tool_calls", "sampling_overridden",
+                                     "hosted_tools_dropped"], 0)
 
     async def generate(self, ids, max_new_tokens=None, images=None):
         """images: a list of (C, H, W) tensors in [0, 1], one per run of placeholders in ids, in order."""

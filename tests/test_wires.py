@@ -202,3 +202,17 @@ def test_chat_and_completions_return_the_engines_logprobs(tok):
             for t in c.choices[0].logprobs.content] == calls[1].logprobs
     assert text.choices[0].logprobs.token_logprobs == calls[2].logprobs and error["param"] == "logprobs"
     assert all(lp < 0 for lp in calls[0].logprobs) and torch.tensor(calls[2].logprobs).isfinite().all()
+
+
+def test_a_hosted_tool_is_left_out_of_the_prompt_and_counted(tok):
+    """Codex sends a hosted `web_search` tool the run cannot serve: the request is answered, the tool is not rendered,
+    and the episode counts it (episode/hosted_tools_dropped)."""
+    async def codex(client, llm):
+        tools = [RESPONSES_TOOL, {"type": "web_search"}]
+        return await client.responses.create(model=llm.model, input="Search, then compute.", tools=tools)
+    llm, reply = chat_episode(ScriptEngine(tok, ["ok<|im_end|>"]), tok, codex)
+    assert reply.output_text == "ok"
+    [(ep, calls)] = endpoint.segments(llm, 1.0)
+    check_tokens(ep, calls)
+    text = tok.decode(ep.ids)
+    assert '"python"' in text and "web_search" not in text and ep.info["hosted_tools_dropped"] == 1
