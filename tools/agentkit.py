@@ -1,6 +1,16 @@
 """tools/agentkit.py: helpers agent programs import (the framework uses none of them). Token level: prompt_ids,
 turn_suffix and model_turn build an agent.Episode turn by turn; chat level: openai_client, an OpenAI client on the
-episode's endpoint. Beside it, tools/sandbox.py runs the code a model writes for its tools."""
+episode's endpoint; CLI harnesses (agents/claude_code.py, agents/codex.py): find_cli, run_cli, answer_in_file. Beside
+it, tools/sandbox.py runs the code a model writes for its tools."""
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+# the CLI harnesses tests/install_harnesses.sh installs
+HARNESSES = Path(__file__).resolve().parent.parent / ".harnesses" / "node_modules" / ".bin"
 
 
 # conversations grow by appending token ids, never by re-rendering
@@ -33,3 +43,43 @@ def openai_client(llm):
     # no client timeout: the episode's is episode_timeout
     return openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=None,
                               http_client=openai.DefaultAsyncHttpxClient(verify=False))
+
+
+# ---- CLI harnesses as agents ----
+
+
+def find_cli(name):
+    """-> the path of the CLI `name`: .harnesses/ first, then PATH."""
+    local = HARNESSES / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"no {name!r} in {HARNESSES} or on PATH: install it with tests/install_harnesses.sh")
+    return found
+
+
+async def run_cli(argv, env, cwd):
+    """Run the CLI in its own process group -> (exit code, stderr). Cancelled (episode_timeout), or done: the group
+    is killed, so no shell the CLI started outlives the episode."""
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                start_new_session=True)
+    try:
+        _, err = await proc.communicate()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group has already ended
+            pass
+        if proc.returncode is None:
+            await proc.wait()
+    return proc.returncode, err.decode(errors="replace")
+
+
+def answer_in_file(work, expected):
+    """-> (reward, whether answer.txt exists in work): 1.0 when it holds `expected` and nothing else."""
+    answer = Path(work, "answer.txt")
+    if not answer.is_file():
+        return 0.0, False
+    return float(answer.read_text(errors="replace").strip() == str(expected)), True
