@@ -176,7 +176,8 @@ def test_agent_info_may_not_set_the_endpoints_own_keys(tok):
         with pytest.raises(ValueError, match=key):
             endpoint.segments(llm, {"reward": 1.0, "info": {key: 3, "turns": 1}})
     [(ep, _)] = endpoint.segments(llm, {"reward": 1.0, "info": {"turns": 1, "tool_calls": 2}})  # its own counts win
-    assert ep.info == {"turns": 1, "tool_calls": 2, "malformed_tool_calls": 0, "sampling_overridden": 0, "segments": 1}
+    assert ep.info == {"turns": 1, "tool_calls": 2, "malformed_tool_calls": 0, "sampling_overridden": 0,
+                       "hosted_tools_dropped": 0, "segments": 1}
 
 
 LONG_CHAT = """
