@@ -15,6 +15,7 @@ from test_wires import anthropic_client
 
 import endpoint
 from rollout import check_tokens
+from tools import agentkit
 
 HARNESSES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".harnesses")
 INSTALL_WAIT_S = 300  # the install took 20 s on 2 cores (a cold npm cache); niced beside the tests, longer
@@ -104,14 +105,8 @@ def check_episode(llm, engine, result, work, n_calls=2):
 
 
 def claude_code(llm, home):
-    """headless, the episode as its Anthropic API, no traffic but the endpoint's, every tool allowed"""
-    env = {"ANTHROPIC_BASE_URL": llm.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": llm.api_key,
-           # no telemetry, error reports, update checks, feature flags (NONESSENTIAL alone sufficed in 2.1.332)
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
-           "DISABLE_ERROR_REPORTING": "1",
-           "IS_SANDBOX": "1"}  # lets root bypass permissions: the episode's sandbox is the rollout's business
-    argv = [harness("claude"), "-p", ASK, "--model", llm.model, "--permission-mode", "bypassPermissions"]
-    return argv, env
+    """agents/claude_code.py's command (tools/agentkit.py), with this test's question"""
+    return agentkit.claude_code_cli(llm, ASK)
 
 
 @pytest.mark.parametrize("template", ["tiny", "qwen3"])
@@ -136,17 +131,8 @@ def test_claude_code_loads_a_deferred_tool_then_calls_bash_in_one_segment(tok, t
 
 
 def codex(llm, home):
-    """codex exec, the episode as a custom Responses provider, no plugin sync (GitHub, chatgpt.com), no metrics
-    (ab.chatgpt.com), no hosted web search (the endpoint runs no tools: a web_search tool is a 400)"""
-    provider = {"name": "nanomolt", "base_url": llm.base_url, "env_key": "NANOMOLT_API_KEY", "wire_api": "responses"}
-    config = {f"model_providers.nanomolt.{key}": value for key, value in provider.items()}
-    config |= {"model_provider": "nanomolt", "features.plugins": False, "analytics.enabled": False,
-               "web_search": "disabled"}
-    overrides = [arg for key, value in config.items() for arg in ("-c", f"{key}={json.dumps(value)}")]  # TOML values
-    # its own sandbox (a bundled bubblewrap) needs user namespaces, which a CI container may not allow
-    argv = [harness("codex"), "exec", "-m", llm.model, *overrides, "--skip-git-repo-check",
-            "--dangerously-bypass-approvals-and-sandbox", ASK]
-    return argv, {"NANOMOLT_API_KEY": llm.api_key, "CODEX_HOME": str(home)}
+    """agents/codex.py's command (tools/agentkit.py), with this test's question; its CODEX_HOME the test's HOME"""
+    return agentkit.codex_cli(llm, ASK, home)
 
 
 @pytest.mark.parametrize("template", ["tiny", "qwen3"])

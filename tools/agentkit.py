@@ -1,12 +1,14 @@
 """tools/agentkit.py: helpers agent programs import (the framework uses none of them). Token level: prompt_ids,
 turn_suffix and model_turn build an agent.Episode turn by turn; chat level: openai_client, an OpenAI client on the
-episode's endpoint; CLI harnesses (agents/claude_code.py, agents/codex.py): find_cli, run_cli, answer_in_file. Beside
-it, tools/sandbox.py runs the code a model writes for its tools."""
+episode's endpoint; CLI harnesses (agents/claude_code.py, agents/codex.py): claude_code_cli, codex_cli, cli_episode.
+Beside it, tools/sandbox.py runs the code a model writes for its tools."""
 import asyncio
+import json
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 # the CLI harnesses tests/install_harnesses.sh installs
@@ -83,3 +85,58 @@ def answer_in_file(work, expected):
     if not answer.is_file():
         return 0.0, False
     return float(answer.read_text(errors="replace").strip() == str(expected)), True
+
+
+def claude_code_cli(llm, prompt, max_output=None):
+    """`claude -p prompt` headless, every tool allowed, on the episode's endpoint -> (argv, env); env holds only what
+    it needs beyond PATH and HOME: no traffic to anything but the endpoint. max_output: its tokens a reply (its own:
+    32k)."""
+    argv = [find_cli("claude"), "-p", prompt, "--model", llm.model, "--permission-mode", "bypassPermissions"]
+    env = {
+        "ANTHROPIC_BASE_URL": llm.base_url.removesuffix("/v1"),  # the CLI appends /v1/messages itself
+        "ANTHROPIC_API_KEY": llm.api_key,
+        # no telemetry, error reports, update checks or feature flags (NONESSENTIAL alone sufficed in 2.1.332)
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        # lets root bypass permissions: the episode's sandbox is the rollout's business, not the CLI's
+        "IS_SANDBOX": "1",
+    }
+    if max_output:
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_output)
+    return argv, env
+
+
+def codex_cli(llm, prompt, codex_home):
+    """`codex exec prompt` with the episode as a custom Responses provider -> (argv, env). No plugin sync (GitHub,
+    chatgpt.com), no metrics (ab.chatgpt.com), no hosted web search; its config, sessions and logs in codex_home."""
+    provider = {"name": "nanomolt", "base_url": llm.base_url, "env_key": "NANOMOLT_API_KEY", "wire_api": "responses"}
+    config = {f"model_providers.nanomolt.{key}": value for key, value in provider.items()}
+    config |= {"model_provider": "nanomolt", "features.plugins": False, "analytics.enabled": False,
+               "web_search": "disabled"}
+    overrides = [arg for key, value in config.items() for arg in ("-c", f"{key}={json.dumps(value)}")]  # TOML values
+    # its own sandbox (a bundled bubblewrap) needs user namespaces, which a container may not allow
+    argv = [find_cli("codex"), "exec", "-m", llm.model, *overrides, "--skip-git-repo-check",
+            "--dangerously-bypass-approvals-and-sandbox", prompt]
+    return argv, {"NANOMOLT_API_KEY": llm.api_key, "CODEX_HOME": str(codex_home)}
+
+
+async def cli_episode(command, expected, llm):
+    """One episode of a CLI harness in a fresh temporary HOME and work directory; command(home) -> (argv, env).
+    -> the chat agent's result: the reward answer.txt earned (expected: what it should hold), the exit code.
+
+    A model that writes nonsense (an untrained one, a reply cut at max_new_tokens) can make the CLI give up with a
+    non-zero exit code: the policy's doing, the episode trains. A CLI that made no model call at all (not installed,
+    misconfigured, crashed at start) is an agent error: nothing was sampled to train on."""
+    with tempfile.TemporaryDirectory(prefix="cli_episode_", ignore_cleanup_errors=True) as tmp:
+        home = os.path.join(tmp, "home")
+        work = os.path.join(tmp, "work")
+        os.mkdir(home)
+        os.mkdir(work)
+        argv, env = command(home)
+        code, err = await run_cli(argv, env | {"PATH": os.environ["PATH"], "LANG": "C.UTF-8", "HOME": home}, work)
+        reward, exists = answer_in_file(work, expected)
+    if not llm.calls:  # it never reached the endpoint: a broken setup, not a policy's episode
+        raise RuntimeError(f"{argv[0]} exited with code {code} before any model call: {err[-2000:]}")
+    return {"reward": reward, "info": {"exit_code": code, "answer_file": float(exists)}}
