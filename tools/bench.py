@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 from itertools import accumulate
-from statistics import mean
+from statistics import mean, median_high
 
 CALLER = dict(os.environ)  # before train's import sets OMP_WAIT_POLICY for train.py: no job inherits it
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,7 +99,7 @@ def bench_trainer():
         t0 = time.perf_counter()
         _, norms = train.train_step(model, opt, share, cfg, 0, world)  # norms are read: the device has finished
         times.append(time.perf_counter() - t0)
-    step = sorted(times[args.warmup:])[len(times[args.warmup:]) // 2]  # the median
+    step = median_high(times[args.warmup:])
     tokens_per_s = args.seq_len * args.batch / step
     n_params = sum(p.numel() for p in model.parameters())
     flops = 6 * n_params + 6 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * args.seq_len
