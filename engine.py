@@ -83,7 +83,7 @@ class _Request:
 class TorchEngine:
     """Embedded engine: `await generate(ids)` from many agents, batched continuously over a slot KV cache (step)."""
     def __init__(self, model: Transformer, *, slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0,
-                 max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, source=None, chunk_tokens=8192):
+                 max_new_tokens=16, stop_ids=(), seed=0, version=None, lock=None, chunk_tokens=8192):
         self.model = model.eval()
         self.c = model.config  # (Policy and the chat endpoint read its vision settings)
         param = next(model.parameters())
@@ -99,8 +99,7 @@ class TorchEngine:
         self.chunk_tokens = chunk_tokens  # padded tokens per prefill forward: bounds its activations
         if self.c.vision:  # a sampled placeholder has no image: end the row there (the agent rejects
             self.stop_ids.add(self.c.image_token_id)  # the episode), else a re-prefill would splice a feature in
-        self.shared_version = version  # the version the trainer published (shared)
-        self.source = source  # the shared tensors it publishes into; None: the model's own parameters are they
+        self.shared_version = version  # the version the trainer published (shared); its tensors are the model's
         self.lock = lock or contextlib.nullcontext()  # held by the trainer while it publishes
         self.version = version.value if version is not None else 0  # the version of the model's weights
         self.requests = itertools.count()  # numbers the calls that come without a key
@@ -160,9 +159,9 @@ class TorchEngine:
 
     def step(self):
         """One iteration -> the rows that got a token; weights change only here, under the publish lock (versions)."""
-        with self.lock:  # the trainer cannot swap weights in the middle of a forward
+        with self.lock:  # no publish mid-forward (on a GPU, sampling's copy to the CPU waits for every kernel)
             if self.shared_version is not None and self.shared_version.value != self.version:
-                self.set_weights(self.source or {}, self.shared_version.value)
+                self.set_weights({}, self.shared_version.value)
             new = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free)))]
             for req in new:
                 req.slot = self.free.pop()

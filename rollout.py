@@ -202,16 +202,11 @@ async def _rollout(cfg, model_cfg, link, start_index, tokenizer_dir, state):
                               weights_dir=os.path.abspath(os.path.join(cfg.out_dir, "engine_weights")),
                               timeout=cfg.server_timeout, concurrency=cfg.concurrent_agents, weights=link.weights,
                               sync=cfg.weight_sync, model_config=model_cfg, **sampling)
-    else:
-        copy = torch.cuda.is_available() or cfg.dtype != "float32"  # on CPU in float32 the parameters ARE the
-        with contextlib.nullcontext() if copy else torch.device("meta"):  # shared tensors: nothing to copy
+    else:  # the model's parameters are the shared tensors, which each publish overwrites
+        with torch.device("meta"):
             model = Transformer(model_cfg)
-        if copy:  # a copy in the compute dtype (as in the trainer), refreshed from the shared tensors each version
-            model = model.to("cuda" if torch.cuda.is_available() else "cpu", getattr(torch, cfg.dtype))
-        model.load_state_dict(link.weights, assign=not copy)
-        if model_cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        engine = TorchEngine(model, slots=cfg.engine_slots, source=link.weights if copy else None, **sampling)
+        model.load_state_dict(link.weights, assign=True)  # (tied: lm_head.weight is published too)
+        engine = TorchEngine(model, slots=cfg.engine_slots, **sampling)
     # neither returns: the first error, the engine's or the producer's, ends the rollout process (rollout_main)
     await asyncio.gather(engine.run(), produce(cfg, engine, tok, link.out_q, link.dropped, start_index,
                                                model_cfg.vocab_size, state, link.evals))
@@ -373,8 +368,10 @@ async def produce(cfg, engine, tokenizer, out_q, dropped, start_index, vocab_siz
 def start_rollout(cfg, model_cfg, weights, start_version, start_index, tokenizer_dir, state=None, dropped=0):
     """Rank 0: the rollout process, and the servers unless server_urls names them (state, dropped: a checkpoint's)."""
     ctx = mp.get_context("spawn")
-    # the weights the engine reads (torch) or the rollout process broadcasts (sglang in memory)
-    shared = {k: v.clone().share_memory_() for k, v in weights.items()} if cfg.weights_in_memory else None
+    # in the compute dtype: the torch engine's parameters (a GPU's reach it by CUDA IPC), or SGLang's broadcast
+    device = "cuda" if cfg.engine == "torch" and torch.cuda.is_available() else "cpu"
+    shared = {k: v.to(device, getattr(torch, cfg.dtype), copy=True).share_memory_()
+              for k, v in weights.items()} if cfg.weights_in_memory else None
     write = functools.partial(write_weights, os.path.join(cfg.out_dir, "engine_weights"), model_cfg, tokenizer_dir)
     procs = []  # the servers started here: [(process, log path)]
     servers = None  # [(url, log path or None)]; None: the torch engine
@@ -476,6 +473,8 @@ class Rollout:
         try:
             for k, t in state.items():
                 self.link.weights[k].copy_(t)
+            if torch.cuda.is_available():  # the engine reads them once the lock is free: the copies must have ended
+                torch.cuda.synchronize()
             self.link.version.value = version
         finally:
             self.link.lock.release()

@@ -60,14 +60,14 @@ def compute_init(cfg):
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def full_state(model, fsdp, changed=False, merged=True):
-    """-> rank 0: the whole state dict on CPU ({} elsewhere), LoRA merged unless merged=False; changed: LoRA's layers"""
+def full_state(model, fsdp, changed=False, merged=True, cpu=True):
+    """-> rank 0: the whole state dict ({} elsewhere; on the CPU unless cpu=False), LoRA merged unless merged=False"""
     if fsdp:  # every rank sends its shards, rank 0 alone keeps the whole (FULL's cpu_offload)
-        sd = get_model_state_dict(model, options=FULL)
+        sd = get_model_state_dict(model, options=FULL if cpu else StateDictOptions(full_state_dict=True))
         if dist.get_rank():
             return {}
     else:
-        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        sd = {k: v.detach().to("cpu" if cpu else v.device) for k, v in model.state_dict().items()}
     lora = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     sd = {k: v for k, v in sd.items() if not changed or k.rpartition(".")[0] in lora}
     return merge_lora(model, sd)[0] if merged else sd
@@ -665,6 +665,7 @@ def main(argv=None):
     # ---- the rollout process (rank 0), sampling with the weights handed to it ----
     weights = full_state(model, fsdp)
     changed = cfg.lora_rank > 0 and cfg.weights_in_memory  # LoRA: only what changes (a directory needs all)
+    on_gpu = cfg.engine == "torch" and device.type == "cuda"  # published GPU to GPU (rollout.start_rollout)
     tokenizer = agent.load_tokenizer(tokenizer_dir) if rank == 0 else None
     logger = Logger(cfg, step, state) if rank == 0 else None
     ro = None  # rank 0's, but none with replay
@@ -721,7 +722,7 @@ def main(argv=None):
             t0_eval = time.perf_counter()
             log_pending(logger, ro, pending_eval)  # the last version's evaluation ends before its weights do
             t0_sync = time.perf_counter()
-            weights = full_state(model, fsdp, changed)
+            weights = full_state(model, fsdp, changed, cpu=not on_gpu)
             if ro is not None:
                 ro.publish(weights, step)
             dt_eval = t0_sync - t0_eval

@@ -4,7 +4,8 @@
 # (a) tests/test_gpu.py (engine on CUDA, bf16 step with fp32 master weights, mismatch/* in bf16 with activation
 #     checkpointing and compile, cpu_offload, Qwen3-VL(-MoE) against transformers, the image recipe in bf16);
 # (b) train.py for --steps steps on a Qwen3-0.6B-shaped model initialised at random (no download; the tiny
-#     tokenizer's 384 ids are a subset of the 151,936-token vocabulary), one GPU, the embedded engine, bf16;
+#     tokenizer's 384 ids are a subset of the 151,936-token vocabulary), one GPU, the embedded engine, bf16, its
+#     weights published GPU to GPU (weight_sync_share_of_step);
 # (c) the same run under `torchrun --standalone --nproc_per_node=1` (the NCCL code path with one rank);
 # (d) tools/bench.py trainer: train_step alone at 16k tokens, prime-rl's trainer benchmark's shape and units.
 # Writes $OUT/summary.json and $OUT/gpu_check.log and prints the summary last. Without CUDA it checks its
@@ -165,6 +166,8 @@ for run in ("single", "torchrun"):
              mismatch_abs_diff_max=max(mm, default=None),
              mismatch_kl_median=med("mismatch/kl"), staleness_mean=med("staleness/mean"),
              staleness_max=max((m["staleness/max"] for m in ms), default=None))
+    if d["weight_sync_s"] is not None and d["step_s"]:  # the publish, GPU to GPU (CUDA IPC): issue 58 asks < 5%
+        d["weight_sync_share_of_step"] = d["weight_sync_s"] / d["step_s"]
     if d["trainer_tok_s"] and peak:
         d["mfu_trained_tokens"] = 6 * n_mm * d["trainer_tok_s"] / peak
     peaks, mem = {}, os.path.join(out, f"gpu_mem_{run}.txt")

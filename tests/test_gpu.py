@@ -135,6 +135,20 @@ def test_a_bf16_run_logs_mismatch(tmp_path, extra):
         assert 0 <= m["mismatch/logprob_abs_diff"] < 0.1 and math.isfinite(m["mismatch/kl"])  # fused ones differ
 
 
+def test_the_engine_samples_from_the_tensors_published_in_place(tmp_path):
+    """On a GPU the engine's parameters are the trainer's published bf16 tensors (CUDA IPC), copied into on the GPU
+    each step: on-policy and eager, its logprobs are the trainer's recompute; an engine on older weights is ~0.2 off.
+    (tests/test_real_use.py checks the same on the CPU.)"""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
+           f"--out_dir={tmp_path}", "--dtype=bfloat16", "--max_steps=4", "--max_staleness=0", "--ckpt_every=0",
+           "--lr=1e-3", "--prompts_per_step=4"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert any(m["grad/norm"] > 0 for m in ms[:-1])  # the weights changed before a later step sampled
+    assert all(m["mismatch/logprob_abs_diff"] < 1e-2 for m in ms), [m["mismatch/logprob_abs_diff"] for m in ms]
+
+
 def test_cpu_offload_trains_as_without_it(tmp_path):
     """cpu_offload: FSDP2 keeps parameters, gradients and AdamW state (policy and KL reference) in CPU memory. Step 1
     samples the same tokens from the same weights, so its loss and gradient norm are the GPU-resident run's."""

@@ -329,6 +329,17 @@ def test_counters_go_on_after_resume_and_top_k_top_p_are_recomputed_exactly(tmp_
     assert all(m["mismatch/logprob_abs_diff"] < 1e-5 for m in ms), [m["mismatch/logprob_abs_diff"] for m in ms]
 
 
+def test_a_bfloat16_engine_samples_from_the_weights_just_published(tmp_path):
+    """In bf16 the engine computes from the published weights in bf16, as the trainer does: on-policy, its logprobs
+    are the trainer's recompute (0.0 on this CPU); an engine left on the first weights differs by ~0.2 a token."""
+    r = run_train(tmp_path, "--dtype=bfloat16", "--max_staleness=0", "--max_steps=3", "--deterministic", "--lr=1e-3",
+                  "--seed=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ms = metrics(tmp_path)
+    assert ms[0]["grad/norm"] > 0  # the weights steps 2 and 3 sample from are not the first ones
+    assert all(m["mismatch/logprob_abs_diff"] < 1e-3 for m in ms), [m["mismatch/logprob_abs_diff"] for m in ms]
+
+
 def test_two_ranks_with_kl_and_mini_batches_run_to_the_end(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
