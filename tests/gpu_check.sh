@@ -7,7 +7,10 @@
 #     tokenizer's 384 ids are a subset of the 151,936-token vocabulary), one GPU, the embedded engine, bf16, its
 #     weights published GPU to GPU (weight_sync_share_of_step);
 # (c) the same run under `torchrun --standalone --nproc_per_node=1` (the NCCL code path with one rank);
-# (d) tools/bench.py trainer: train_step alone at 16k tokens, prime-rl's trainer benchmark's shape and units.
+# (d) tools/bench.py trainer: train_step alone at 16k tokens, prime-rl's trainer benchmark's shape and units;
+# (e) where an SGLang interpreter is (NANOMOLT_SGLANG_PYTHON, or the Dockerfile's /opt/sglang), the SGLang tests on
+#     the GPU and (b) with --engine=sglang (one GPU: the server beside the trainer; two: on GPU 1, NCCL weight sync);
+#     the lent machines have no SGLang (and no network), so there it says so and skips (then 8 minutes at most).
 # Writes $OUT/summary.json and $OUT/gpu_check.log and prints the summary last. Without CUDA it checks its
 # arguments, says so and exits 0. --cpu runs what a CPU can of it for real, on a small model of the same family in
 # float32: the API probe, the model's making, (b), (c) and the summary (CI runs it so: tests/test_gpu_check.py).
@@ -125,6 +128,27 @@ EOF
   cp "$work/$run/metrics.jsonl" "$OUT/metrics_$run.jsonl" 2>/dev/null
 done
 
+echo "== (e) SGLang on the GPU, where an SGLang interpreter is (NANOMOLT_SGLANG_PYTHON, or the Dockerfile's)"
+sgl=${NANOMOLT_SGLANG_PYTHON:-/opt/sglang/bin/python}
+if [ -x "$sgl" ] && "$sgl" -c "import sglang" 2>/dev/null; then
+  export NANOMOLT_SGLANG_PYTHON=$sgl
+  [ $cpu = 0 ] && timeout 330 python -m pytest -q tests/test_servers.py -k "sglang and cuda" --junitxml="$OUT/test_sglang.xml"
+  # one GPU: the server beside the trainer on a share of its memory, weights from disk (NCCL takes no two ranks
+  # on one device); two or more: the server on GPU 1, weights broadcast over NCCL
+  ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
+  sargs=(--engine=sglang "--server_python=$sgl" --server_timeout=300 --weight_sync=disk
+         "--server_args=--mem-fraction-static 0.3 --attention-backend triton")
+  [ "$ngpu" -ge 2 ] && sargs+=(--weight_sync=nccl "--server_args=--base-gpu-id 1 --attention-backend triton")
+  [ $cpu = 1 ] && sargs+=(--weight_sync=gloo "--server_args=--device cpu --attention-backend torch_native \
+--disable-cuda-graph --skip-server-warmup --max-total-tokens 4096")
+  [ $cpu = 1 ] && export SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$PWD/tests/sglang_cpu
+  timeout "$run_timeout" python train.py "${args[@]}" "${sargs[@]}" "--out_dir=$work/sglang"
+  echo "sglang exit $?" | tee "$OUT/rc_sglang.txt"
+  cp "$work/sglang/metrics.jsonl" "$OUT/metrics_sglang.jsonl" 2>/dev/null
+else
+  echo "no SGLang interpreter at $sgl: skipped (the lent machines have none, and no network to install one)"
+fi
+
 echo "== (d) the trainer alone, as prime-rl's trainer benchmark (tools/bench.py trainer)"
 bench=(--seq_len=16384 --steps=5 --warmup=2)
 [ $cpu = 1 ] && bench=(--seq_len=256 --steps=1 --warmup=1 --dtype=float32)
@@ -150,7 +174,9 @@ try:
     s["tests"] = {k: int(r.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 except (OSError, ET.ParseError) as e:
     s["tests"] = f"no junit report: {e}"
-for run in ("single", "torchrun"):
+for run in ("single", "torchrun", "sglang"):
+    if not os.path.exists(os.path.join(out, f"rc_{run}.txt")):  # (e) skipped: no SGLang
+        continue
     d = {"exit": open(os.path.join(out, f"rc_{run}.txt")).read().split()[-1]}
     try:
         ms = [json.loads(line) for line in open(os.path.join(out, f"metrics_{run}.jsonl"))]

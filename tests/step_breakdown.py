@@ -92,10 +92,12 @@ def measure(dtype, steps):
     model = train.build_model(cfg, rank, device, fsdp, path)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay, fused=True)
-    shared = {k: v.clone().share_memory_() for k, v in train.full_state(model, fsdp).items()}
-    m = Transformer.from_pretrained(path).to(getattr(torch, dtype))  # the rollout's copy (float32: the shared tensors)
-    if m.config.tie_word_embeddings:
-        m.lm_head.weight = m.model.embed_tokens.weight
+    # as rollout.start_rollout: the engine's parameters are the shared tensors, in the compute dtype
+    state = train.full_state(model, fsdp)
+    shared = {k: v.to(getattr(torch, dtype), copy=True).share_memory_() for k, v in state.items()}
+    with torch.device("meta"):
+        m = Transformer(model.config)
+    m.load_state_dict(shared, assign=True)
     engine = TorchEngine(m, slots=cfg.engine_slots, max_len=cfg.engine_max_len, temperature=cfg.temperature,
                                  max_new_tokens=cfg.max_new_tokens, stop_ids=agent.stop_ids(tok, path), seed=0)
     rows, tokens = [], 0
@@ -105,7 +107,6 @@ def measure(dtype, steps):
         msgs = sample(cfg, engine, tok, step * cfg.batch_size, times)
         torch.set_num_threads(cfg.cpu_threads)
         train_on(cfg, model, opt, msgs, shared, times)
-        engine.model.load_state_dict({k: v.to(getattr(torch, dtype)) for k, v in shared.items()}, strict=False)
         tokens = sum(int(m["loss_mask"].sum()) for m in msgs)
         print(f"{dtype} step {step}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()), flush=True)
         rows.append(times)
