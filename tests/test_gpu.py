@@ -140,8 +140,8 @@ def test_the_engine_samples_from_the_tensors_published_in_place(tmp_path):
     each step: on-policy and eager, its logprobs are the trainer's recompute; an engine on older weights is ~0.2 off.
     (tests/test_real_use.py checks the same on the CPU.)"""
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "guess.py"),
-           f"--out_dir={tmp_path}", "--dtype=bfloat16", "--max_steps=4", "--max_staleness=0", "--ckpt_every=0",
-           "--lr=1e-3", "--prompts_per_step=4"]
+           f"--out_dir={tmp_path}", "--dtype=bfloat16", "--max_steps=6", "--max_staleness=0", "--ckpt_every=0",
+           "--lr=1e-3"]  # 6 steps of 64 episodes: some group has a reward, so a gradient, before the last
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     ms = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
