@@ -725,6 +725,7 @@ def main(argv=None):
             weights = full_state(model, fsdp, changed, cpu=not on_gpu)
             if ro is not None:
                 ro.publish(weights, step)
+            del weights  # a whole copy of the model (on a GPU, in its memory): not kept through the next step
             dt_eval = t0_sync - t0_eval
             dt_sync = time.perf_counter() - t0_sync
             if rank == 0:  # the step's metrics line (held back while its evaluation runs), episodes dumped
